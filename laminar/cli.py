@@ -1,0 +1,77 @@
+"""`laminar train | sft | bench | simulate` — the command line.
+
+Heavy imports (torch, transformers, ray) are deferred into the subcommands so that `--help`
+answers at once. User mistakes (`ConfigError`) print one clear message and exit 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from laminar.config import ConfigError, load_config
+
+BENCHMARKS = {
+    "engine": "laminar.bench.engine",
+    "relay": "laminar.bench.relay",
+    "modes": "laminar.bench.modes",
+}
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config file, e.g. examples/reverse.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                   help="dotted overrides, e.g. trainer.lr=1e-4 rollout.num_workers=4")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="laminar", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="run RL training as the config's `mode` says")
+    _add_config_args(p)
+
+    p = sub.add_parser("sft", help="supervised warm start; caches the result")
+    _add_config_args(p)
+
+    p = sub.add_parser("bench", help=f"run a benchmark: {', '.join(BENCHMARKS)}")
+    p.add_argument("name", choices=sorted(BENCHMARKS))
+    p.add_argument("--quick", action="store_true", help="a smaller run of about a minute")
+    p.add_argument("--out", default=None, help="write the JSON results here")
+
+    p = sub.add_parser("simulate", help="cluster-scale simulator of the five schedules",
+                       add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            from laminar.modes import run_training
+
+            run_training(load_config(args.config, args.overrides))
+        elif args.command == "sft":
+            from laminar.trainer.sft import run_sft
+
+            run_sft(load_config(args.config, args.overrides))
+        elif args.command == "bench":
+            module = importlib.import_module(BENCHMARKS[args.name])
+            module.main(quick=args.quick, out=args.out)
+        elif args.command == "simulate":
+            from laminar.sim.cli import main as simulate_main
+
+            return simulate_main(args.args)
+    except ConfigError as e:
+        print(f"laminar: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("laminar: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

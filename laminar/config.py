@@ -1,0 +1,246 @@
+"""One typed config tree, loaded from YAML with dotted command-line overrides.
+
+    cfg = load_config("examples/reverse.yaml", ["trainer.lr=1e-4", "rollout.num_workers=4"])
+
+Parts: the section models (one per component, a description on every field), `Config` (the
+root, with cross-field rules), `load_config` (YAML + overrides), and `ConfigError`, whose
+message names the key, the value and what is allowed. This module imports nothing else from
+laminar.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Mode = Literal["laminar", "sync", "one_step", "stream", "partial"]
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the CLI prints it without a traceback."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    preset: Literal["tiny", "small"] = Field(
+        "tiny", description="Size preset for a model built from config: tiny (~0.5M params, "
+        "hidden 128 / 2 layers) or small (~4M, hidden 256 / 4 layers). Ignored when `path` is set.")
+    path: str | None = Field(
+        None, description="Local Hugging Face model directory (weights + tokenizer) to start from "
+        "instead of a preset. Also accepts a laminar checkpoint's `model/` folder.")
+    attn_implementation: Literal["sdpa", "eager"] = Field(
+        "sdpa", description="Attention kernel passed to transformers.")
+    seed: int = Field(0, description="Seed for the random initialisation of a preset model.")
+
+
+class ReverseTaskConfig(Section):
+    median_len: int = Field(6, ge=1, description="Median prompt length in characters.")
+    tail_sigma: float = Field(
+        1.0, ge=0.0, description="Log-normal sigma of prompt lengths; p99/p50 = exp(2.33*sigma) "
+        "before clipping (1.0 gives ~10x, the paper's Fig. 2 long tail).")
+    min_len: int = Field(1, ge=1, description="Shortest prompt in characters.")
+    max_len: int = Field(64, ge=1, description="Longest prompt in characters (clips the tail).")
+    alphabet: str = Field("abcdefghijklmnopqrstuvwxyz", min_length=2,
+                          description="Characters prompts are drawn from.")
+    num_prompts: int = Field(4096, ge=1, description="Prompts in the generated training set.")
+
+
+class DatasetConfig(Section):
+    path: str = Field(description="JSONL (.jsonl/.json) or Parquet (.parquet) file of prompts.")
+    prompt_column: str = Field("prompt", description="Column holding the prompt text.")
+    answer_column: str = Field("answer", description="Column holding the reference answer.")
+
+
+class TaskConfig(Section):
+    name: Literal["reverse", "dataset"] = Field(
+        "reverse", description="`reverse` (built-in: answer = prompt reversed) or `dataset` "
+        "(prompts and answers from `task.dataset`).")
+    reverse: ReverseTaskConfig = Field(default_factory=ReverseTaskConfig,
+                                       description="Settings of the built-in reverse task.")
+    dataset: DatasetConfig | None = Field(None, description="Your own data; needed by name=dataset.")
+    reward: str | None = Field(
+        None, description="Reward function as a dotted path `package.module:function` with the "
+        "signature fn(prompt: str, response: str, answer: str) -> float in [0, 1]. Default: the "
+        "task's own reward (similarity to the answer).")
+    eval_prompts: int = Field(128, ge=1, description="Held-out prompts used to report exact match.")
+    seed: int = Field(0, description="Seed of the task's data generation and shuffling.")
+
+
+class EngineConfig(Section):
+    backend: Literal["hf", "native"] = Field(
+        "hf", description="`hf`: static batches on transformers.generate. `native`: laminar's "
+        "continuous-batching engine.")
+    max_batch_size: int = Field(64, ge=1, description="Most sequences decoded together.")
+    kv_capacity_tokens: int = Field(
+        16384, ge=16, description="KV-cache capacity in tokens (prompt + generated, all requests).")
+
+
+class RolloutConfig(Section):
+    num_workers: int = Field(1, ge=1, description="Rollout workers (each owns one engine).")
+    group_size: int = Field(8, ge=2, description="Samples per prompt (the GRPO group size n).")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; 1.0 = off.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
+    max_new_tokens: int = Field(80, ge=1, description="Response token budget.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engine.")
+
+
+class TrainerConfig(Section):
+    lr: float = Field(2e-4, gt=0.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Clip the global gradient norm to this.")
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Lower PPO clip (ratio >= 1-eps_low).")
+    eps_high: float = Field(0.28, ge=0.0, description="Upper PPO clip, Clip-Higher (DAPO).")
+    kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the starting model; 0 = off.")
+    prompts_per_step: int = Field(16, ge=1, description="Prompt groups in one global batch.")
+    mini_batches: int = Field(1, ge=1, description="Optimizer updates per global batch.")
+    total_steps: int = Field(30, ge=1, description="Global batches to train (weight versions).")
+    checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps; 0 = only at the end.")
+    threads: int = Field(2, ge=1, description="torch threads for training.")
+    bf16: bool = Field(False, description="bfloat16 autocast for forward/backward (fp32 master weights).")
+    resume: str | None = Field(None, description="Checkpoint directory to resume from.")
+    seed: int = Field(0, description="Seed of the trainer and the sampling RNG.")
+
+
+class SFTConfig(Section):
+    enabled: bool = Field(True, description="Run the supervised warm start when `model.path` is unset.")
+    steps: int = Field(1500, ge=1, description="Optimizer steps (stops earlier at `max_seconds`).")
+    max_seconds: float = Field(100.0, gt=0.0, description="Wall-clock cap for the warm start.")
+    batch_size: int = Field(64, ge=1, description="Sequences per step.")
+    lr: float = Field(3e-3, gt=0.0, description="AdamW learning rate (cosine decay to 10%).")
+    cache_dir: str = Field(".cache/sft", description="Where warm-started models are cached, keyed "
+                           "by the model, task and SFT settings.")
+
+
+class Config(Section):
+    name: str = Field("reverse", description="Run name; the default run directory is runs/<name>.")
+    run_dir: str | None = Field(None, description="Where metrics and checkpoints go.")
+    mode: Mode = Field("sync", description="Schedule: laminar, sync, one_step, stream or partial.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="What model to train.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="Prompts and reward.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Optimisation.")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised warm start.")
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> "Config":
+        if self.task.name == "dataset" and self.task.dataset is None:
+            raise ValueError("task.name=dataset needs a `task.dataset` section with at least "
+                             "`path` (and prompt_column/answer_column if not 'prompt'/'answer')")
+        rev = self.task.reverse
+        if rev.min_len > rev.max_len:
+            raise ValueError(f"task.reverse.min_len={rev.min_len} is larger than "
+                             f"task.reverse.max_len={rev.max_len}; make min_len <= max_len")
+        if self.task.name == "reverse" and self.rollout.max_new_tokens < rev.max_len + 1:
+            raise ValueError(f"rollout.max_new_tokens={self.rollout.max_new_tokens} cannot hold the "
+                             f"longest reverse answer (task.reverse.max_len={rev.max_len} + EOS); "
+                             f"set rollout.max_new_tokens >= {rev.max_len + 1}")
+        if self.trainer.mini_batches > self.trainer.prompts_per_step:
+            raise ValueError(f"trainer.mini_batches={self.trainer.mini_batches} exceeds "
+                             f"trainer.prompts_per_step={self.trainer.prompts_per_step}; a "
+                             "mini-batch holds at least one prompt group")
+        return self
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read YAML (or start from defaults when `path` is None), apply `key.sub=value` overrides,
+    validate. Raises ConfigError with a readable message on any user mistake."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' does not exist; pass a YAML file such as "
+                              "examples/reverse.yaml")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of keys, "
+                              f"not a {type(loaded).__name__}")
+        data = loaded or {}
+    for item in overrides:
+        apply_override(data, item)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source=str(path) if path else "defaults")) from None
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (numbers, lists, null)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{item}' is not of the form key.subkey=value "
+                          "(for example trainer.lr=1e-4)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{item}': '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            lines.append(f"  - unknown key '{loc}'. {_allowed_keys_hint(e['loc'])}")
+        elif kind == "missing":
+            lines.append(f"  - missing key '{loc}': it is required here")
+        elif kind == "value_error":
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"  - {msg}" if not loc else f"  - '{loc}': {msg}")
+        else:
+            lines.append(f"  - '{loc}' = {e.get('input')!r}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def _allowed_keys_hint(loc: tuple[Any, ...]) -> str:
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        sub = _section_type(field.annotation) if field else None
+        if sub is None:
+            return ""
+        model = sub
+    allowed = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+    hint = f"Did you mean '{close[0]}'? " if close else ""
+    where = ".".join(str(p) for p in loc[:-1]) or "the top level"
+    return f"{hint}Allowed keys in {where}: {', '.join(allowed)}"
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):  # Optional[Section]
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None

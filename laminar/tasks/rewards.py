@@ -1,0 +1,86 @@
+"""Reward functions and the plugin contract.
+
+A reward function has the signature
+
+    def reward(prompt: str, response: str, answer: str) -> float
+
+and returns a finite number, by convention in [0, 1]. Give your own as a dotted path
+`package.module:function` in `task.reward`. `score()` wraps any reward so that one raising or
+returning garbage marks that trajectory failed (reward 0, counted) instead of stopping training.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+
+from laminar.config import ConfigError
+
+RewardFn = Callable[[str, str, str], float]
+
+
+def lcs_length(a: str, b: str) -> int:
+    """Length of the longest common subsequence, O(len(a) * len(b)) time, O(len(b)) memory."""
+    if len(a) < len(b):
+        a, b = b, a
+    prev = [0] * (len(b) + 1)
+    for ca in a:
+        cur = [0]
+        for j, cb in enumerate(b):
+            cur.append(prev[j] + 1 if ca == cb else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def similarity(response: str, answer: str) -> float:
+    """LCS ratio 2*LCS/(|response|+|answer|) in [0, 1]; 1.0 exactly when they are equal."""
+    if not response and not answer:
+        return 1.0
+    return 2.0 * lcs_length(response, answer) / (len(response) + len(answer))
+
+
+def similarity_reward(prompt: str, response: str, answer: str) -> float:
+    """The built-in reward: how close the response is to the reference answer."""
+    return similarity(response.strip(), answer.strip())
+
+
+def exact_match(response: str, answer: str) -> bool:
+    return response.strip() == answer.strip()
+
+
+def resolve_reward(path: str | None) -> RewardFn:
+    """`package.module:function` -> the function, checked against the contract."""
+    if path is None:
+        return similarity_reward
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"task.reward='{path}' is not a dotted path of the form "
+                          "package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"task.reward='{path}': cannot import module '{module_name}' ({e}); "
+                          "is it installed or on PYTHONPATH?") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"task.reward='{path}': module '{module_name}' has no function '{attr}'")
+    try:
+        inspect.signature(fn).bind("prompt", "response", "answer")
+    except TypeError:
+        raise ConfigError(f"task.reward='{path}' must accept (prompt: str, response: str, "
+                          f"answer: str); its signature is {inspect.signature(fn)}") from None
+    return fn
+
+
+def score(fn: RewardFn, prompt: str, response: str, answer: str) -> tuple[float, str | None]:
+    """(reward, error). A reward that raises or is not a finite number scores 0 with an error."""
+    try:
+        value = fn(prompt, response, answer)
+        value = float(value)
+    except Exception as e:  # a user plugin may raise anything; one trajectory must not stop training
+        return 0.0, f"{type(e).__name__}: {e}"
+    if not math.isfinite(value):
+        return 0.0, f"reward is not finite: {value}"
+    return value, None
