@@ -120,6 +120,40 @@ class SFTConfig(Section):
                            "by the model, task and SFT settings.")
 
 
+class RelayConfig(Section):
+    host: str = Field("127.0.0.1", description="Address relays listen on. Loopback by default; on "
+                      "a cluster set it to the node's address on the weight network.")
+    port_range: tuple[int, int] | None = Field(
+        None, description="Inclusive [first, last] port range a relay binds its first free port "
+        "in; unset = an ephemeral port chosen by the OS.")
+    chunk_bytes: int = Field(1 << 20, ge=4096, description="Chunk size of the pipelined "
+                             "broadcast; a relay forwards chunk i while receiving chunk i+1.")
+    keep_versions: int = Field(2, ge=2, description="Versions a relay keeps (the newest complete "
+                               "one stays readable while the next arrives); older ones are freed "
+                               "as soon as no reader holds them.")
+    secret_env: str = Field("LAMINAR_RELAY_SECRET", min_length=1, description="Environment "
+                            "variable holding the job secret every relay connection must prove; "
+                            "when unset the runtime generates a random secret per job.")
+    shm_dir: str = Field("/dev/shm", description="tmpfs directory holding the versions.")
+    heartbeat_s: float = Field(1.0, gt=0.0, description="Ping period on idle links and of the "
+                               "relay group's heartbeat checks.")
+    timeout_s: float = Field(5.0, gt=0.0, description="A relay that makes no progress for this "
+                             "long (connect, handshake, send, ping) is declared dead and cut out.")
+    transport: Literal["tcp"] = Field("tcp", description="Relay-to-relay transport.")
+    rate_limit_mbps: float = Field(0.0, ge=0.0, description="Per-connection send cap in Mbit/s "
+                                   "(stands in for a slow link in benchmarks); 0 = off.")
+
+    @model_validator(mode="after")
+    def _timeout_after_heartbeat(self) -> "RelayConfig":
+        if self.timeout_s <= self.heartbeat_s:
+            raise ValueError(f"relay.timeout_s={self.timeout_s} must exceed relay.heartbeat_s="
+                             f"{self.heartbeat_s}, or idle links are declared dead between pings")
+        if self.port_range is not None and not 0 < self.port_range[0] <= self.port_range[1] < 65536:
+            raise ValueError(f"relay.port_range={list(self.port_range)} must be [first, last] with "
+                             "0 < first <= last < 65536")
+        return self
+
+
 class Config(Section):
     name: str = Field("reverse", description="Run name; the default run directory is runs/<name>.")
     run_dir: str | None = Field(None, description="Where metrics and checkpoints go.")
@@ -129,6 +163,8 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Optimisation.")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised warm start.")
+    relay: RelayConfig = Field(default_factory=RelayConfig,
+                               description="Relay tier: shared-memory weight store and chain broadcast.")
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "Config":

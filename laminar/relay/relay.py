@@ -1,0 +1,376 @@
+"""The relay: one per node, holds weight versions in shared memory and passes them down a chain.
+
+Parts:
+- `Relay`: plain Python. A `WeightStore`, a listener (upstream feeds and control requests, both
+  authenticated), and one downstream thread that forwards the newest version to the relay's
+  successor in the plan, chunk by chunk as chunks arrive. When the successor dies (connection
+  refused or reset, handshake or send timeout, no pong) the relay cuts it out of its plan
+  (`plan.repair`: one link changes) and feeds the next one, which answers the offer with the
+  chunks it already has, so only the missing ones travel.
+- Control (the same methods over the TCP control channel or as Ray actor methods): `set_plan`,
+  `publish` (master: write a state dict into the store; returns once it is there),
+  `adopt` (a trainer on this machine wrote the version file itself), `latest`, `heartbeat`,
+  `send_to` (push the newest version to given relays one after the other: the star baseline
+  and an explicit catch-up), `stop`.
+- `RelayActor` / `start_relay_actor` / `RelayGroup`: the Ray edge. One actor per node, a
+  group that builds the plan, watches heartbeats, repairs the chain and replaces the master.
+- `main`: `python -m laminar.relay.relay --id r0 --job J` runs a relay as a plain process
+  (the benchmark starts relays inside network namespaces this way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from laminar.config import RelayConfig
+from laminar.relay.chain import (PING, ROLE_CONTROL, ROLE_FEED, Inbox, LinkError, connect, feed_version,
+                                 handshake_server, make_transport, serve_feed, serve_requests)
+from laminar.relay.plan import ChainPlan, RelayInfo, choose_master, repair
+from laminar.relay.store import WeightStore, cleanup
+
+log = logging.getLogger("laminar.relay")
+
+
+def node_id() -> str:
+    """Identity of this machine: relays and clients with equal ids share the shm directory."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def segment_prefix(job: str, relay_id: str) -> str:
+    return f"lam-{job}-{relay_id}"
+
+
+class Relay:
+    def __init__(self, relay_id: str, job: str, secret: bytes, cfg: RelayConfig | None = None) -> None:
+        self.cfg = cfg = cfg or RelayConfig()
+        self.id, self.job, self.secret = relay_id, job, secret
+        self.transport = make_transport(cfg.transport, cfg.timeout_s, cfg.rate_limit_mbps)
+        self.store = WeightStore(cfg.shm_dir, segment_prefix(job, relay_id), cfg.keep_versions)
+        self.listener = self.transport.listen(cfg.host, cfg.port_range)
+        host, port = self.listener.address
+        self.info = RelayInfo(relay_id, host, port, node_id(), self.store.prefix)
+        self.plan = ChainPlan((relay_id,), {relay_id: self.info})
+        self.failures: list[dict[str, Any]] = []  # successors this relay found dead
+        self.completed_at: dict[int, float] = {}  # version -> when it was complete here
+        self.forwarded_at: dict[int, float] = {}  # version -> when the successor confirmed it
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept_loop, daemon=True, name="relay-accept"),
+                         threading.Thread(target=self._downstream_loop, daemon=True, name="relay-down")]
+        for t in self._threads:
+            t.start()
+        log.info("relay %s listening on %s:%d", relay_id, host, port)
+
+    # -- control ------------------------------------------------------------------------------
+
+    def set_plan(self, plan: ChainPlan | Mapping[str, Any]) -> None:
+        plan = plan if isinstance(plan, ChainPlan) else ChainPlan.from_dict(plan)
+        if self.id not in plan:
+            plan = ChainPlan((self.id,), {self.id: self.info}, plan.epoch)  # not in the chain: idle
+        with self.store.cond:
+            self.plan = plan
+            self.store.cond.notify_all()
+
+    def publish(self, named_tensors: Mapping[str, Any], version: int) -> dict[str, Any]:
+        """Write a state dict into this relay's store and publish it; the version is then in
+        this relay's memory and forwarding starts in the background."""
+        from laminar.relay.client import stage_version  # torch stays out of plain relays
+
+        path = stage_version(named_tensors, version, self.cfg.shm_dir,
+                             f"{self.store.prefix}.staged-{version}", self.cfg.chunk_bytes)
+        return self.adopt(version, str(path))
+
+    def adopt(self, version: int, path: str) -> dict[str, Any]:
+        """Take over a complete version file a process on this machine wrote and publish it."""
+        staged = Path(path)
+        if staged.parent.resolve() != self.store.directory.resolve():
+            raise ValueError(f"staged file '{path}' is not in this relay's shm_dir "
+                             f"'{self.store.directory}'")
+        buf = self.store.adopt(staged, version)
+        self.store.publish(version)
+        self.completed_at[version] = buf.completed_at or time.time()
+        return {"version": version, "published_at": buf.published_at}
+
+    def latest(self) -> dict[str, Any] | None:
+        buf = self.store.latest()
+        if buf is None:
+            return None
+        return {"version": buf.version, "path": str(buf.path), "shm_dir": str(self.store.directory),
+                "prefix": self.store.prefix, "nbytes": buf.header.nbytes}
+
+    def heartbeat(self) -> dict[str, Any]:
+        latest = self.store.latest()
+        with self.store.cond:
+            successor = self.plan.successor(self.id)
+            progress = {v: [self.store.get(v).num_verified, self.store.get(v).header.num_chunks]
+                        for v in self.store.versions()}
+        return {"id": self.id, "pid": os.getpid(), "time": time.time(), "info": self.info.to_dict(),
+                "epoch": self.plan.epoch, "successor": successor,
+                "latest": latest.version if latest else None, "progress": progress,
+                "completed_at": dict(self.completed_at), "forwarded_at": dict(self.forwarded_at),
+                "failures": list(self.failures), "held": self.store.held_versions()}
+
+    def send_to(self, targets: list[Mapping[str, Any]], version: int | None = None) -> list[float]:
+        """Send a complete version to each target relay in turn (not down the chain); returns
+        when each target held it, in seconds from the start. The star baseline."""
+        buf = self.store.latest() if version is None else self.store.get(version)
+        if buf is None or not buf.is_complete:
+            raise ValueError(f"relay {self.id} has no complete version {version} to send")
+        buf = self.store.pin(buf.version)
+        start, done = time.perf_counter(), []
+        try:
+            for t in targets:
+                info = RelayInfo.from_dict(t)
+                link = connect(self.transport, info.address, self.secret, ROLE_FEED)
+                try:
+                    feed_version(link, Inbox(link), buf, self.cfg.timeout_s,
+                                 heartbeat_s=self.cfg.heartbeat_s)
+                finally:
+                    link.close()
+                done.append(time.perf_counter() - start)
+        finally:
+            self.store.unpin(buf)
+        return done
+
+    def stop(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        with self.store.cond:
+            self.store.cond.notify_all()
+        self.listener.close()
+        self._threads[1].join(timeout=self.cfg.timeout_s)
+        self.store.close()
+
+    # -- threads ------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            link = self.listener.accept()
+            if link is None:
+                return
+            threading.Thread(target=self._serve, args=(link,), daemon=True,
+                             name=f"relay-in-{link.peer}").start()
+
+    def _serve(self, link: Any) -> None:
+        try:
+            role = handshake_server(link, self.secret)
+            if role == ROLE_FEED:
+                serve_feed(link, self.store, self._on_complete)
+            elif role == ROLE_CONTROL:
+                serve_requests(link, self._handle)
+        except LinkError as e:
+            log.debug("relay %s: connection from %s ended: %s", self.id, link.peer, e)
+        finally:
+            link.close()
+
+    def _handle(self, op: str, args: dict[str, Any]) -> Any:
+        if op not in ("set_plan", "adopt", "latest", "heartbeat", "send_to", "stop"):
+            raise ValueError(f"unknown relay request '{op}'")
+        if op == "stop":
+            threading.Thread(target=self.stop, daemon=True).start()
+            return None
+        return getattr(self, op)(**args)
+
+    def _on_complete(self, version: int) -> None:
+        self.completed_at[version] = time.time()
+
+    def _downstream_loop(self) -> None:
+        while not self._stop.is_set():
+            with self.store.cond:
+                succ = self.plan.successor(self.id)
+                if succ is None:
+                    self.store.cond.wait(self.cfg.heartbeat_s)
+                    continue
+                target = self.plan.relays[succ]
+            try:
+                link = connect(self.transport, target.address, self.secret, ROLE_FEED)
+            except LinkError as e:
+                self._cut(succ, e)
+                continue
+            try:
+                self._feed(link, succ)
+            except LinkError as e:
+                log.warning("relay %s: link to %s failed: %s; reconnecting", self.id, succ, e)
+            finally:
+                link.close()
+
+    def _feed(self, link: Any, succ: str) -> None:
+        """Forward versions to `succ` until the plan changes, the relay stops or the link fails."""
+        inbox = Inbox(link)
+        sent: int | None = None
+        idle_since = time.monotonic()
+
+        def plan_changed() -> bool:
+            return self._stop.is_set() or self.plan.successor(self.id) != succ
+
+        while not plan_changed():
+            buf = self.store.newest()
+            if buf is None or (sent is not None and buf.version <= sent):
+                with self.store.cond:
+                    self.store.cond.wait(self.cfg.heartbeat_s)
+                if inbox.closed.is_set():
+                    raise LinkError(f"{succ} closed the connection")
+                if time.monotonic() - inbox.last_seen > self.cfg.timeout_s:
+                    raise LinkError(f"{succ} answered no ping for {self.cfg.timeout_s}s")
+                if time.monotonic() - idle_since > self.cfg.heartbeat_s:
+                    link.send(PING)
+                    idle_since = time.monotonic()
+                continue
+            buf = self.store.pin(buf.version)
+            if buf is None:
+                continue
+
+            def give_up(v: int = buf.version, b: Any = buf) -> bool:
+                # an incomplete version that a newer one overtook will never complete here
+                newest = self.store.newest()
+                return plan_changed() or (not b.is_complete and newest is not None and newest.version > v)
+
+            try:
+                ok = feed_version(link, inbox, buf, self.cfg.timeout_s, give_up, self.cfg.heartbeat_s)
+            finally:
+                self.store.unpin(buf)
+            if ok:
+                sent = buf.version
+                self.forwarded_at[sent] = time.time()
+            idle_since = time.monotonic()
+
+    def _cut(self, dead: str, err: Exception) -> None:
+        with self.store.cond:
+            if self.plan.successor(self.id) != dead:
+                return
+            self.plan = repair(self.plan, dead)
+            new = self.plan.successor(self.id)
+        self.failures.append({"relay": dead, "time": time.time(), "error": str(err)})
+        log.warning("relay %s: successor %s is unreachable (%s); chain repaired, now feeding %s",
+                    self.id, dead, err, new)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray edge
+
+
+def start_relay_actor(relay_id: str, job: str, secret: bytes, cfg: RelayConfig | None = None,
+                      **options: Any) -> Any:
+    """One relay actor (pass e.g. scheduling_strategy to pin it to a node). The actor is
+    threaded so heartbeats are answered while a publish is running."""
+    import ray
+
+    actor_cls = ray.remote(Relay)
+    opts = {"num_cpus": 0, "max_concurrency": 8, **options}
+    return actor_cls.options(**opts).remote(relay_id, job, secret, cfg)
+
+
+class RelayGroup:
+    """The relays of one job: started as Ray actors, chained, watched, repaired.
+
+    The manager (or a test) calls `check()` periodically; it pings every relay, cuts the dead
+    ones out of the plan (a dead master's successor becomes master) and sends the new plan to
+    the live ones. Relays also repair their own link at once when their successor dies, so
+    `check()` only has to make the plans agree."""
+
+    def __init__(self, ids: list[str], job: str, secret: bytes, cfg: RelayConfig | None = None,
+                 options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        import ray
+
+        self.job, self.secret, self.cfg = job, secret, cfg or RelayConfig()
+        self.actors = {i: start_relay_actor(i, job, secret, self.cfg, **dict((options or {}).get(i, {})))
+                       for i in ids}
+        infos = ray.get([self.actors[i].heartbeat.remote() for i in ids], timeout=60)
+        self.infos = {h["id"]: RelayInfo.from_dict(h["info"]) for h in infos}
+        self.pids = {h["id"]: h["pid"] for h in infos}
+        self.plan = ChainPlan(tuple(ids), self.infos, 1)
+        self._broadcast_plan()
+
+    @property
+    def master(self) -> str | None:
+        return self.plan.master
+
+    def check(self) -> list[str]:
+        """Heartbeat every relay in the plan; returns the ids found dead (and repairs)."""
+        import ray
+
+        ids = list(self.plan.order)
+        refs = [self.actors[i].heartbeat.remote() for i in ids]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.timeout_s)
+        dead = []
+        for i, ref in zip(ids, refs):
+            try:
+                if ref not in ready:
+                    raise TimeoutError(f"no heartbeat within {self.cfg.timeout_s}s")
+                ray.get(ref)
+            except Exception:  # actor died or hangs: both mean cut it out
+                dead.append(i)
+        for i in dead:
+            self.plan = repair(self.plan, i)
+        if dead:
+            log.warning("relays %s are gone; chain is now %s", dead, list(self.plan.order))
+            self._broadcast_plan()
+        return dead
+
+    def choose_master(self, dead: list[str]) -> str | None:
+        return choose_master(self.plan, dead)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for i, actor in self.actors.items():
+            try:
+                ray.get(actor.stop.remote(), timeout=self.cfg.timeout_s)
+            except Exception:
+                pass  # already dead: its files are removed below
+            ray.kill(actor)
+            cleanup(self.cfg.shm_dir, segment_prefix(self.job, i))
+
+    def _broadcast_plan(self) -> None:
+        import ray
+
+        refs = [self.actors[i].set_plan.remote(self.plan.to_dict()) for i in self.plan.order]
+        ray.wait(refs, num_returns=len(refs), timeout=self.cfg.timeout_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain process
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m laminar.relay.relay",
+                                description="Run one relay as a plain process. The job secret is "
+                                "read from the environment variable named by relay.secret_env.")
+    p.add_argument("--id", required=True)
+    p.add_argument("--job", required=True)
+    p.add_argument("--config", default="{}", help="RelayConfig fields as JSON")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = RelayConfig.model_validate(json.loads(args.config))
+    secret = os.environ.get(cfg.secret_env)
+    if not secret:
+        print(f"relay: environment variable {cfg.secret_env} (relay.secret_env) holds no job "
+              "secret", file=sys.stderr)
+        return 2
+    relay = Relay(args.id, args.job, secret.encode(), cfg)
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    print(json.dumps(relay.info.to_dict()), flush=True)
+    while not stopped.is_set() and not relay._stop.is_set():
+        stopped.wait(0.2)
+    relay.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
