@@ -1,0 +1,220 @@
+"""The native rollout engine: continuous batching with KV accounting, log-probs, abort/resume,
+and in-place weight swaps.
+
+    engine = Engine(model, eos_token_id=EOS_ID, pad_token_id=PAD_ID, max_batch_size=64)
+    engine.add(GenerationRequest("t0", prompt_ids, SamplingParams(temperature=1.0)))
+    while engine.has_unfinished():
+        for delta in engine.step(): ...          # new tokens, their log-probs, finish reasons
+
+`step()` is schedule (scheduler.py: preempt or admit against the KV capacity), run (one forward
+over decode and newly admitted rows, model_runner.py), sample (sampler.py, all rows at once),
+then postprocess: append to each request, finish on EOS / stop token / budget, and free the
+finished rows at once. The `GenerationRequest` objects are the state: the engine appends to
+`output_ids` / `logprobs` in place, `abort` hands them back unfinished, and `add` of a request
+with tokens already generated resumes it by re-prefilling prompt + prefix (the KV is rebuilt,
+the sampling noise is counter-based, so the continuation is the one an uninterrupted run
+would have produced).
+
+Versions: `load_weights` copies tensors into the model in place and stamps its version on every
+request admitted afterwards (a request keeps the version it started with). It refuses while a
+request that already has tokens from the loaded weights is in the engine, unless forced; a forced
+swap lets in-flight requests continue on their cached keys and values.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from laminar.engine.model_runner import ModelRunner
+from laminar.engine.sampler import SamplingRows, sample
+from laminar.engine.scheduler import Scheduler, compact
+from laminar.engine.sequence import Sequence
+from laminar.types import EngineStats, GenerationRequest, TokenDelta
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
+                 max_batch_size: int = 64, kv_capacity_tokens: int = 16384, version: int = 0,
+                 seed: int = 0) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        if kv_capacity_tokens < 1:
+            raise ValueError(f"kv_capacity_tokens={kv_capacity_tokens} must be >= 1")
+        self.runner = ModelRunner(model, num_slots=max_batch_size)
+        self.model = self.runner.model
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id  # unused by the forward (no padding is fed); kept for parity
+        self.max_batch_size = max_batch_size
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.version = version
+        self.scheduler = Scheduler(max_batch_size, kv_capacity_tokens)
+        self.num_generated_tokens = 0
+        self._rng = random.Random(seed)  # seeds for requests that bring none
+        self._live: dict[str, Sequence] = {}
+        self._done_on_add: list[Sequence] = []  # resumed with no budget left: finish next step
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add(self, request: GenerationRequest) -> None:
+        """Queue a request (new, or a resume when `output_ids` is non-empty)."""
+        rid = request.request_id
+        if rid in self._live:
+            raise ValueError(f"request_id '{rid}' is already in the engine; ids must be unique")
+        if request.finish_reason is not None:
+            raise ValueError(f"request '{rid}' already finished ({request.finish_reason}); "
+                             "only unfinished requests can be added or resumed")
+        if not request.prompt_ids:
+            raise ValueError(f"request '{rid}' has an empty prompt_ids; pass at least one token")
+        if len(request.logprobs) != len(request.output_ids):
+            raise ValueError(f"request '{rid}' has {len(request.output_ids)} output_ids but "
+                             f"{len(request.logprobs)} logprobs; a resumed state needs one each")
+        params = request.params
+        if params.max_new_tokens < 1:
+            raise ValueError(f"request '{rid}': params.max_new_tokens={params.max_new_tokens} "
+                             "must be >= 1")
+        longest = len(request.prompt_ids) + params.max_new_tokens
+        if longest > self.runner.max_positions:
+            raise ValueError(f"request '{rid}': prompt ({len(request.prompt_ids)} tokens) + "
+                             f"max_new_tokens ({params.max_new_tokens}) exceeds the model's "
+                             f"max_position_embeddings={self.runner.max_positions}")
+        if longest - 1 > self.kv_capacity_tokens:
+            raise ValueError(f"request '{rid}' may need {longest - 1} KV tokens but "
+                             f"kv_capacity_tokens={self.kv_capacity_tokens}; raise the capacity "
+                             "or lower max_new_tokens")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(request, seed, self.eos_token_id)
+        self._live[rid] = seq
+        if seq.budget_left <= 0:
+            self._done_on_add.append(seq)
+        else:
+            self.scheduler.add(seq)
+
+    def abort(self, ids: list[str]) -> list[GenerationRequest]:
+        """Remove requests (running or waiting); returns their state, unfinished. Unknown ids
+        (for example requests that already finished) are skipped."""
+        found = [self._live.pop(rid) for rid in ids if rid in self._live]
+        gone = {id(seq) for seq in found}
+        running = [seq for seq in self.scheduler.running if id(seq) in gone]
+        if running:
+            self._apply_moves(self.scheduler.remove(running))
+        self.scheduler.waiting = type(self.scheduler.waiting)(
+            seq for seq in self.scheduler.waiting if id(seq) not in gone)
+        self._done_on_add = [seq for seq in self._done_on_add if id(seq) not in gone]
+        return [seq.request for seq in found]
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+        """Finish every request; returns them (same objects, same order) with outputs filled."""
+        for request in requests:
+            self.add(request)
+        while self.has_unfinished():
+            self.step()
+        return requests
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[TokenDelta]:
+        """One scheduling step: admit (prefill) and decode together, one token per row."""
+        deltas = [self._finish(seq, "length") for seq in self._done_on_add]
+        self._done_on_add = []
+        admitted, moves = self.scheduler.schedule()
+        self._apply_moves(moves)
+        rows = self.scheduler.running
+        if not rows:
+            return deltas
+        for seq in admitted:
+            if seq.request.version < 0:
+                seq.request.version = self.version
+        num_decode = len(rows) - len(admitted)
+        decoding = rows[:num_decode]
+        logits = self.runner.run(
+            [seq.request.output_ids[-1] for seq in decoding],
+            [seq.num_tokens - 1 for seq in decoding],
+            [seq.context() for seq in admitted])
+        sampling = SamplingRows.build(
+            [seq.request.params for seq in rows], [seq.seed for seq in rows],
+            [len(seq.request.output_ids) for seq in rows], self.runner.vocab_size,
+            self.runner.device)
+        tokens, logprobs = sample(logits, sampling)
+        return deltas + self._postprocess(rows, tokens.tolist(), logprobs.tolist())
+
+    def _postprocess(self, rows: list[Sequence], tokens: list[int], logprobs: list[float]
+                     ) -> list[TokenDelta]:
+        deltas, finished = [], []
+        eos = self.eos_token_id
+        for slot, (seq, token, logprob) in enumerate(zip(rows, tokens, logprobs)):
+            request = seq.request
+            request.output_ids.append(token)
+            request.logprobs.append(logprob)
+            reason = None
+            if token == eos:
+                reason = "eos"
+            elif token in seq.stop_ids:
+                reason = "stop"
+            elif len(request.output_ids) >= request.params.max_new_tokens:
+                reason = "length"
+            deltas.append(TokenDelta(request.request_id, [token], [logprob], reason))
+            if reason is not None:
+                request.finish_reason = reason
+                del self._live[request.request_id]
+                finished.append(slot)
+        self.num_generated_tokens += len(tokens)
+        if finished:
+            moves = compact(len(rows), finished)
+            for dst, src in moves:
+                rows[dst] = rows[src]
+            del rows[len(rows) - len(finished):]
+            self._apply_moves(moves)
+        return deltas
+
+    def _finish(self, seq: Sequence, reason: str) -> TokenDelta:
+        seq.request.finish_reason = reason
+        del self._live[seq.request_id]
+        return TokenDelta(seq.request_id, [], [], reason)
+
+    def _apply_moves(self, moves: list[tuple[int, int]]) -> None:
+        if moves:
+            running = self.scheduler.running
+            length = max(running[dst].num_cached_tokens for dst, _ in moves)
+            self.runner.kv.move([d for d, _ in moves], [s for _, s in moves], length)
+
+    # -- weights and stats ------------------------------------------------------------------------
+
+    def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                     version: int, force: bool = False) -> None:
+        """Copy tensors into the model in place (names as in `model.state_dict()`), then stamp
+        `version` on requests admitted from now on."""
+        in_flight = [seq.request_id for seq in self._live.values()
+                     if seq in self.scheduler.running or seq.request.version == self.version]
+        if version != self.version and in_flight and not force:
+            raise RuntimeError(
+                f"load_weights(version={version}) refused: {len(in_flight)} request(s) are "
+                f"generating with version {self.version} (e.g. '{in_flight[0]}'); let them "
+                "finish, abort them, or pass force=True to continue them on the new weights")
+        targets = dict(self.model.state_dict(keep_vars=True))
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        with torch.no_grad():
+            for name, tensor in items:
+                target = targets.get(name)
+                if target is None:
+                    raise KeyError(f"load_weights: '{name}' is not a tensor of this model "
+                                   f"(expected names like '{next(iter(targets))}')")
+                tensor = torch.as_tensor(tensor)
+                if tensor.shape != target.shape:
+                    raise ValueError(f"load_weights: '{name}' has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(target.shape)}")
+                target.copy_(tensor)
+        self.runner.refresh()
+        self.version = version
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_used_tokens=self.scheduler.kv_used_tokens(),
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            num_generated_tokens=self.num_generated_tokens, version=self.version)

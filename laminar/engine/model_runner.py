@@ -1,0 +1,263 @@
+"""The forward pass: a Hugging Face decoder's own weights run over laminar's slot KV buffer.
+
+    runner = ModelRunner(model, num_slots=64)
+    logits = runner.run(decode_tokens, decode_positions, prefill_contexts)   # [rows, vocab]
+
+One call is one engine step, decode and prefill together in a single pass:
+- rows 0..n-1 decode one token each (the token sampled last step, at its position);
+- rows n..n+m-1 are newly admitted sequences, prefilled from scratch (prompt, plus the tokens
+  already generated when resuming).
+Every token-wise op (norms, projections, rotary, MLP) runs once over the flat list of all the
+step's tokens; only attention splits: decode rows attend over their slot's cached keys (a view
+of the buffer, masked by length), prefill rows attend causally over their own fresh keys. Each
+step writes only its new keys and values into the buffer — nothing is re-padded or
+concatenated. Logits are computed for the last token of each row only.
+
+Parts: `_Weights` (references to the model's parameters, re-read by `refresh()` after a swap),
+`ModelRunner.run` (inputs → logits), `_attention`, `_rms_norm`. The maths mirrors
+`transformers`' Qwen2/Llama/Qwen3/Mistral modules op for op (RMSNorm in float32, rotary from
+the model's own rotary module), so greedy decoding matches `generate` token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from laminar.engine.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+# rope types whose cos/sin at a position do not depend on the sequence length seen so far
+_POSITION_ONLY_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(slots=True)
+class _LayerWeights:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    q: torch.Tensor
+    q_bias: torch.Tensor | None
+    k: torch.Tensor
+    k_bias: torch.Tensor | None
+    v: torch.Tensor
+    v_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3 normalises q and k per head
+    k_norm: torch.Tensor | None
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_bias: torch.Tensor | None
+    up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_slots: int) -> None:
+        config = model.config
+        check_supported(config)
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.group = self.num_heads // self.num_kv_heads
+        self.vocab_size = config.vocab_size
+        self.max_positions = config.max_position_embeddings
+        self.num_slots = num_slots
+        self.kv = KVCache(config.num_hidden_layers, num_slots, self.num_kv_heads, self.head_dim,
+                          self.max_positions, self.dtype, self.device)
+        self._slot_ids = torch.arange(num_slots, device=self.device)
+        self.refresh()
+        self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype)
+
+    def refresh(self) -> None:
+        """Re-read parameter references from the model (after parameters were replaced)."""
+        base = self.model.model
+        self.embed = base.embed_tokens.weight
+        self.norm = base.norm.weight
+        self.eps = base.norm.variance_epsilon
+        self.lm_head = self.model.lm_head.weight
+        self.act = base.layers[0].mlp.act_fn
+        self.scale = base.layers[0].self_attn.scaling
+        self.layers = [_layer_weights(layer) for layer in base.layers]
+
+    # -- rotary tables ---------------------------------------------------------------------------
+
+    def _rotary(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin tables [positions, head_dim], grown by doubling."""
+        if num_positions > self._cos.shape[0]:
+            size = min(self.max_positions, max(num_positions, 2 * self._cos.shape[0], 64))
+            positions = torch.arange(size, device=self.device)[None, :]
+            probe = torch.empty(0, dtype=self.dtype, device=self.device)
+            cos, sin = self.model.model.rotary_emb(probe, positions)
+            half = self.head_dim // 2
+            # rotate_half(x) * sin == roll(x, half) * [-sin_low, sin_high], exactly
+            self._cos = cos[0]
+            self._sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+        return self._cos, self._sin
+
+    # -- the step --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, decode_tokens: list[int], decode_positions: list[int],
+            prefill: list[list[int]]) -> torch.Tensor:
+        """Logits [n + m, vocab] for the last token of each decode row, then each prefill row."""
+        n, m = len(decode_tokens), len(prefill)
+        lengths = [len(ctx) for ctx in prefill]
+        width = max(lengths, default=0)
+        longest = max(max(decode_positions, default=-1) + 1, width)
+        self.kv.reserve(longest)
+        cos_table, sin_table = self._rotary(longest)
+        dev = self.device
+
+        if m == 0:
+            ids = torch.tensor(decode_tokens, device=dev)
+            pos = torch.tensor(decode_positions, device=dev)
+            slots = self._slot_ids[:n]
+            last = None
+        else:
+            ids = torch.tensor(decode_tokens + [t for ctx in prefill for t in ctx], device=dev)
+            pos = torch.tensor(decode_positions + [p for n_ in lengths for p in range(n_)],
+                               device=dev)
+            slots = torch.tensor(list(range(n)) + [n + j for j, n_ in enumerate(lengths)
+                                                   for _ in range(n_)], device=dev)
+            last = torch.tensor(_prefill_last_index(n, lengths), device=dev)
+        attn = _AttentionPlan.build(n, decode_positions, lengths, width, dev)
+
+        cos = cos_table[pos][:, None, :]  # [T, 1, head_dim], broadcast over heads
+        sin = sin_table[pos][:, None, :]
+        half = self.head_dim // 2
+        x = F.embedding(ids, self.embed)  # [T, hidden]
+        num_tokens = x.shape[0]
+        for index, w in enumerate(self.layers):
+            h = _rms_norm(x, w.ln1, self.eps)
+            q = F.linear(h, w.q, w.q_bias).view(num_tokens, self.num_heads, self.head_dim)
+            k = F.linear(h, w.k, w.k_bias).view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = F.linear(h, w.v, w.v_bias).view(num_tokens, self.num_kv_heads, self.head_dim)
+            if w.q_norm is not None:
+                q = _rms_norm(q, w.q_norm, self.eps)
+                k = _rms_norm(k, w.k_norm, self.eps)
+            q = q * cos + torch.roll(q, half, dims=-1) * sin
+            k = k * cos + torch.roll(k, half, dims=-1) * sin
+            k_cache, v_cache = self.kv.layer(index)
+            k_cache[slots, :, pos] = k
+            v_cache[slots, :, pos] = v
+            out = self._attention(q, k_cache, v_cache, attn)
+            x = x + F.linear(out, w.o, w.o_bias)
+            h = _rms_norm(x, w.ln2, self.eps)
+            h = self.act(F.linear(h, w.gate, w.gate_bias)) * F.linear(h, w.up, w.up_bias)
+            x = x + F.linear(h, w.down, w.down_bias)
+        if last is not None:
+            x = x[last]
+        return F.linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
+
+    def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   plan: "_AttentionPlan") -> torch.Tensor:
+        """q [T, heads, head_dim] -> attention output [T, heads * head_dim]."""
+        n, m, hd = plan.num_decode, plan.num_prefill, self.num_heads * self.head_dim
+        parts = []
+        if n:
+            # grouped-query attention without repeating keys: a KV head's G query heads play
+            # the role of G query positions against that head's cache
+            qd = q[:n].view(n, self.num_kv_heads, self.group, self.head_dim)
+            length = plan.decode_length
+            out = F.scaled_dot_product_attention(
+                qd, k_cache[:n, :, :length], v_cache[:n, :, :length],
+                attn_mask=plan.decode_mask, scale=self.scale)
+            parts.append(out.reshape(n, hd))
+        if m:
+            width = plan.width
+            # right-padded [m, heads, width, head_dim]; causal masking keeps every real query
+            # away from the padding (and from stale cache entries past its row's length)
+            qp = q[n:][plan.pad_index].view(m, width, self.num_heads, self.head_dim).transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                qp, k_cache[n:n + m, :, :width], v_cache[n:n + m, :, :width],
+                is_causal=True, scale=self.scale, enable_gqa=self.group > 1)
+            parts.append(out.transpose(1, 2).reshape(m * width, hd)[plan.valid_index])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+@dataclass(slots=True)
+class _AttentionPlan:
+    """Per-step index tensors that every layer's attention reuses."""
+
+    num_decode: int
+    num_prefill: int
+    decode_length: int  # keys to read for decode rows (longest decode row incl. its new token)
+    decode_mask: torch.Tensor | None  # [n, 1, 1, decode_length] bool, True = attend
+    width: int  # padded prefill length
+    pad_index: torch.Tensor | None  # [m * width] flat prefill token for each padded position
+    valid_index: torch.Tensor | None  # [sum(lengths)] padded position of each flat token
+
+    @staticmethod
+    def build(n: int, positions: list[int], lengths: list[int], width: int,
+              device: torch.device) -> "_AttentionPlan":
+        mask = pad_index = valid_index = None
+        decode_length = max(positions, default=-1) + 1
+        if n:
+            pos = torch.tensor(positions, device=device)
+            mask = (torch.arange(decode_length, device=device)[None, :] <= pos[:, None])[:, None, None, :]
+        if lengths:
+            pad, valid, offset = [], [], 0
+            for row, length in enumerate(lengths):
+                pad.extend(offset + min(p, length - 1) for p in range(width))
+                valid.extend(row * width + p for p in range(length))
+                offset += length
+            pad_index = torch.tensor(pad, device=device)
+            valid_index = torch.tensor(valid, device=device)
+        return _AttentionPlan(n, len(lengths), decode_length, mask, width, pad_index, valid_index)
+
+
+def _prefill_last_index(n: int, lengths: list[int]) -> list[int]:
+    """Flat index of each row's last token: decode rows 0..n-1, then each prefill row's end."""
+    index, offset = list(range(n)), n
+    for length in lengths:
+        offset += length
+        index.append(offset - 1)
+    return index
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # as transformers: normalise in float32, cast back, then scale
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _layer_weights(layer: torch.nn.Module) -> _LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    q_norm = getattr(attn, "q_norm", None)
+    k_norm = getattr(attn, "k_norm", None)
+    return _LayerWeights(
+        ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+        q=attn.q_proj.weight, q_bias=attn.q_proj.bias, k=attn.k_proj.weight,
+        k_bias=attn.k_proj.bias, v=attn.v_proj.weight, v_bias=attn.v_proj.bias,
+        o=attn.o_proj.weight, o_bias=attn.o_proj.bias,
+        q_norm=q_norm.weight if q_norm is not None else None,
+        k_norm=k_norm.weight if k_norm is not None else None,
+        gate=mlp.gate_proj.weight, up=mlp.up_proj.weight, down=mlp.down_proj.weight,
+        gate_bias=mlp.gate_proj.bias, up_bias=mlp.up_proj.bias, down_bias=mlp.down_proj.bias)
+
+
+def check_supported(config) -> None:
+    """Raise a clear error for architectures or settings this forward does not reproduce."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"the native engine supports model_type in {SUPPORTED_MODEL_TYPES}, got "
+                         f"'{model_type}'; use rollout.engine.backend=hf for other architectures")
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in _POSITION_ONLY_ROPE:
+        raise ValueError(f"rope_type='{rope_type}' is not supported by the native engine (cos/sin "
+                         f"must depend on the position only: {_POSITION_ONLY_ROPE}); use "
+                         "rollout.engine.backend=hf")
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    if "sliding_attention" in layer_types or (
+            window is not None and model_type == "mistral"
+            and window < config.max_position_embeddings):
+        raise ValueError("sliding-window attention is not supported by the native engine; use "
+                         "rollout.engine.backend=hf or a config without sliding_window")

@@ -1,0 +1,103 @@
+"""Who runs this step: admission against the KV capacity, preemption of the newest, slot order.
+
+    plan_step(running, waiting, capacity, max_batch) -> (num_preempt, num_admit)   # pure
+    scheduler.schedule() -> admitted sequences (and the slot moves it made)
+
+KV accounting is in real tokens. A running sequence holds `num_tokens - 1` cached tokens and
+grows by one each decode step, so the step needs `sum(num_tokens)` over running sequences; a
+waiting sequence needs its whole context (prompt + tokens already generated) at prefill.
+- Decode growth that would overflow preempts the newest running sequences (latest admitted)
+  back to the front of the waiting queue; they are re-prefilled later, nothing is lost.
+- Admission is FIFO: the head of the queue is admitted when a batch slot is free and its
+  context fits; nothing overtakes it. A step that preempts admits nobody (no thrashing).
+
+Running sequences sit in KV slots 0..n-1 without holes: `running[i]` is slot i. Removing
+sequences fills each hole with a survivor from the end (`compact`), and the caller copies
+those slots' KV once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence as Seq
+
+from laminar.engine.sequence import Sequence
+
+
+def plan_step(running: Seq[int], waiting: Seq[int], capacity: int, max_batch: int
+              ) -> tuple[int, int]:
+    """Decide one step. `running`: num_tokens of running sequences, oldest admission first;
+    `waiting`: context lengths in queue order. Returns (preempt this many of the newest
+    running, admit this many from the head of the queue)."""
+    need = sum(running)
+    num_preempt = 0
+    while need > capacity and num_preempt < len(running):
+        num_preempt += 1
+        need -= running[-num_preempt]
+    if num_preempt:
+        return num_preempt, 0
+    num_admit, free_slots = 0, max_batch - len(running)
+    while (num_admit < len(waiting) and num_admit < free_slots
+           and need + waiting[num_admit] <= capacity):
+        need += waiting[num_admit]
+        num_admit += 1
+    return 0, num_admit
+
+
+def compact(num_running: int, removed: Iterable[int]) -> list[tuple[int, int]]:
+    """Slot moves (dst, src) that close the holes left by `removed` among slots 0..n-1."""
+    removed = set(removed)
+    survivors = num_running - len(removed)
+    holes = sorted(s for s in removed if s < survivors)
+    movers = [s for s in range(survivors, num_running) if s not in removed]
+    return list(zip(holes, movers))
+
+
+class Scheduler:
+    def __init__(self, max_batch_size: int, kv_capacity_tokens: int) -> None:
+        self.max_batch_size = max_batch_size
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preempted = 0
+        self._admissions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def kv_used_tokens(self) -> int:
+        return sum(seq.num_tokens for seq in self.running) - len(self.running)
+
+    def schedule(self) -> tuple[list[Sequence], list[tuple[int, int]]]:
+        """Preempt or admit for the coming step. Returns (admitted sequences, now in the last
+        slots; slot moves (dst, src) the caller must apply to the KV buffer first)."""
+        running_tokens = sum(seq.num_tokens for seq in self.running)
+        if running_tokens <= self.kv_capacity_tokens and (
+                not self.waiting or len(self.running) >= self.max_batch_size):
+            return [], []  # the common decode-only step: skip the sort and the plan
+        by_age = sorted(self.running, key=lambda seq: seq.admitted_at)
+        num_preempt, num_admit = plan_step(
+            [seq.num_tokens for seq in by_age], [seq.num_tokens for seq in self.waiting],
+            self.kv_capacity_tokens, self.max_batch_size)
+        moves: list[tuple[int, int]] = []
+        if num_preempt:
+            victims = by_age[-num_preempt:]
+            moves = self.remove(victims)
+            self.waiting.extendleft(reversed(victims))  # oldest victim ends up first
+            self.num_preempted += num_preempt
+        admitted = [self.waiting.popleft() for _ in range(num_admit)]
+        for seq in admitted:
+            seq.admitted_at = self._admissions
+            self._admissions += 1
+        self.running.extend(admitted)
+        return admitted, moves
+
+    def remove(self, seqs: Iterable[Sequence]) -> list[tuple[int, int]]:
+        """Take running sequences out; returns the slot moves that keep slots dense."""
+        slot_of = {id(seq): slot for slot, seq in enumerate(self.running)}
+        removed = [slot_of[id(seq)] for seq in seqs]
+        moves = compact(len(self.running), removed)
+        for dst, src in moves:
+            self.running[dst] = self.running[src]
+        del self.running[len(self.running) - len(removed):]
+        return moves

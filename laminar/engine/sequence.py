@@ -1,0 +1,41 @@
+"""A request's life inside the engine: the caller's `GenerationRequest` plus scheduling state.
+
+The request object itself is the record of progress (`output_ids`, `logprobs` grow in place),
+so aborting returns it as is and resuming is just adding it again. While a sequence runs, its
+cached tokens are `num_tokens - 1`: the last sampled token is fed (and cached) next step.
+"""
+
+from __future__ import annotations
+
+from laminar.types import GenerationRequest
+
+
+class Sequence:
+    __slots__ = ("request", "seed", "stop_ids", "admitted_at")
+
+    def __init__(self, request: GenerationRequest, seed: int, eos_token_id: int) -> None:
+        self.request = request
+        self.seed = seed  # drives the counter-based sampling noise (see sampler.py)
+        self.stop_ids = frozenset((eos_token_id, *request.params.stop_token_ids))
+        self.admitted_at = -1  # admission counter; the newest running sequence is preempted first
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_ids) + len(self.request.output_ids)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """KV tokens held while running."""
+        return self.num_tokens - 1
+
+    @property
+    def budget_left(self) -> int:
+        return self.request.params.max_new_tokens - len(self.request.output_ids)
+
+    def context(self) -> list[int]:
+        """What a (re-)prefill feeds: the prompt and everything generated so far."""
+        return self.request.prompt_ids + self.request.output_ids
