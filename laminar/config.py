@@ -102,6 +102,8 @@ class TrainerConfig(Section):
     kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the starting model; 0 = off.")
     prompts_per_step: int = Field(16, ge=1, description="Prompt groups in one global batch.")
     mini_batches: int = Field(1, ge=1, description="Optimizer updates per global batch.")
+    micro_batch_tokens: int = Field(4096, ge=1, description="Padded tokens per forward pass; "
+                                    "gradients accumulate over micro-batches of similar length.")
     total_steps: int = Field(30, ge=1, description="Global batches to train (weight versions).")
     checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps; 0 = only at the end.")
     threads: int = Field(2, ge=1, description="torch threads for training.")
@@ -112,8 +114,8 @@ class TrainerConfig(Section):
 
 class SFTConfig(Section):
     enabled: bool = Field(True, description="Run the supervised warm start when `model.path` is unset.")
-    steps: int = Field(1500, ge=1, description="Optimizer steps (stops earlier at `max_seconds`).")
-    max_seconds: float = Field(100.0, gt=0.0, description="Wall-clock cap for the warm start.")
+    steps: int = Field(200, ge=1, description="Optimizer steps (stops earlier at `max_seconds`).")
+    max_seconds: float = Field(115.0, gt=0.0, description="Wall-clock cap for the warm start.")
     batch_size: int = Field(64, ge=1, description="Sequences per step.")
     lr: float = Field(3e-3, gt=0.0, description="AdamW learning rate (cosine decay to 10%).")
     cache_dir: str = Field(".cache/sft", description="Where warm-started models are cached, keyed "

@@ -1,0 +1,25 @@
+"""Held-out evaluation: greedy responses to the task's eval prompts, scored by the task."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from laminar.models.tokenizer import decode_response, encode_prompt
+from laminar.tasks import Task
+from laminar.types import GenerationRequest, SamplingParams
+
+
+class Generator(Protocol):
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationRequest]: ...
+
+
+def evaluate(engine: Generator, tokenizer, task: Task, max_new_tokens: int) -> dict[str, float]:
+    """Mean reward and exact-match rate of greedy decoding on `task.eval`."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    requests = [GenerationRequest(f"eval-{i}", encode_prompt(tokenizer, item.prompt), params)
+                for i, item in enumerate(task.eval)]
+    engine.generate(requests)
+    scores = [task.score(item, decode_response(tokenizer, req.output_ids))
+              for item, req in zip(task.eval, requests)]
+    return {"eval_reward": sum(s.reward for s in scores) / len(scores),
+            "eval_exact_match": sum(s.exact_match for s in scores) / len(scores)}

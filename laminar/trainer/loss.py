@@ -1,0 +1,53 @@
+"""The policy loss: PPO with Clip-Higher, token-level mean (DAPO), optional KL.
+
+Simplifications, stated: GRPO has no value model (advantages come from group normalisation and
+are shared by every token of a response); the importance ratio is taken against the behaviour
+log-probs the engine recorded at generation, with no extra correction for staleness; the KL
+term (off by default) is the k3 estimator against a frozen reference model.
+
+All functions are pure; shapes are [batch, time] with a 0/1 mask over response tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.28,
+                ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
+                num_tokens: int | float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate summed over masked tokens and divided by `num_tokens` (default: the
+    tokens in this batch). Pass the token count of the whole mini-batch when accumulating
+    gradients over micro-batches, so the result is the token-level mean of the mini-batch.
+
+    logprobs, old_logprobs, mask: [B, T]; advantages: [B] (broadcast over tokens).
+    """
+    mask = mask.to(logprobs.dtype)
+    adv = advantages[:, None].to(logprobs.dtype)
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    kl = torch.zeros_like(per_token)
+    if ref_logprobs is not None and kl_coef > 0:
+        log_r = ref_logprobs - logprobs
+        kl = torch.exp(log_r) - log_r - 1.0  # k3: unbiased, always >= 0
+        per_token = per_token + kl_coef * kl
+    denom = float(num_tokens) if num_tokens is not None else mask.sum().clamp(min=1.0)
+    loss = (per_token * mask).sum() / denom
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1.0)
+        metrics = {
+            "clip_frac": float(((unclipped < clipped).to(mask.dtype) * mask).sum() / n),
+            "ratio_mean": float((ratio * mask).sum() / n),
+            "kl": float((kl * mask).sum() / n),
+        }
+    return loss, metrics
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(tokens) under softmax(logits / temperature). logits [B, T, V], tokens [B, T] -> [B, T]."""
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)

@@ -1,0 +1,171 @@
+"""The GRPO trainer: one global batch of trajectories in, one new weight version out.
+
+Parts:
+- `collate` packs trajectories into right-padded tensors with the behaviour log-probs aligned
+  to the positions that predict each response token;
+- `Trainer.train_step` computes group advantages, splits the batch into `mini_batches` (one
+  AdamW update each; gradients accumulate over length-sorted micro-batches within one), and
+  bumps `version` once per global batch;
+- `save_checkpoint` / `load_checkpoint` write and read model (Hugging Face format), optimizer,
+  version, RNG state and any caller state (e.g. the data position), atomically.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from laminar.config import TrainerConfig
+from laminar.trainer.advantage import group_advantages
+from laminar.trainer.batching import token_budget_batches
+from laminar.trainer.loss import policy_loss, token_logprobs
+from laminar.types import Trajectory
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, L] prompt + response, right-padded
+    attention_mask: torch.Tensor  # [B, L]
+    targets: torch.Tensor  # [B, L-1] input_ids shifted left: the token each position predicts
+    response_mask: torch.Tensor  # [B, L-1] 1 where the target is a response token
+    old_logprobs: torch.Tensor  # [B, L-1] behaviour log-probs at the response positions
+    advantages: torch.Tensor  # [B]
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+
+def collate(trajs: list[Trajectory], advantages: torch.Tensor, pad_token_id: int) -> Batch:
+    width = max(t.num_tokens for t in trajs)
+    B = len(trajs)
+    input_ids = torch.full((B, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, width), dtype=torch.long)
+    response_mask = torch.zeros((B, width - 1))
+    old_logprobs = torch.zeros((B, width - 1))
+    for row, t in enumerate(trajs):
+        seq = t.prompt_ids + t.response_ids
+        input_ids[row, :len(seq)] = torch.tensor(seq)
+        attention_mask[row, :len(seq)] = 1
+        start = len(t.prompt_ids) - 1  # position whose logits predict the first response token
+        end = start + len(t.response_ids)
+        response_mask[row, start:end] = 1.0
+        old_logprobs[row, start:end] = torch.tensor(t.logprobs, dtype=torch.float32)
+    return Batch(input_ids, attention_mask, input_ids[:, 1:], response_mask, old_logprobs, advantages)
+
+
+def split_groups(trajs: list[Trajectory], parts: int) -> list[list[Trajectory]]:
+    """Split into `parts` mini-batches of whole groups (a group's advantages belong together)."""
+    groups: dict[str, list[Trajectory]] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(t)
+    ordered = list(groups.values())
+    size = -(-len(ordered) // parts)
+    return [[t for g in ordered[i:i + size] for t in g] for i in range(0, len(ordered), size)]
+
+
+class Trainer:
+    def __init__(self, model: PreTrainedModel, cfg: TrainerConfig, pad_token_id: int,
+                 temperature: float = 1.0) -> None:
+        self.model = model.train()
+        self.cfg = cfg
+        self.pad_token_id = pad_token_id
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.version = 0  # completed global batches = version of the current weights
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                           weight_decay=cfg.weight_decay)
+        self.ref_model = None
+        if cfg.kl_coef > 0:
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def sequence_logprobs(self, model: PreTrainedModel, batch: Batch) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        return token_logprobs(logits[:, :-1], batch.targets, self.temperature)
+
+    def train_step(self, trajs: list[Trajectory]) -> dict[str, float]:
+        """One global batch: len(mini_batches) optimizer updates, then version += 1."""
+        t0 = time.perf_counter()
+        for t in trajs:
+            t.staleness = self.version - t.version
+        adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs])
+        adv_by_id = {t.traj_id: a for t, a in zip(trajs, adv.tolist())}
+        sums: dict[str, float] = {}
+        mini_batches = split_groups(trajs, self.cfg.mini_batches)
+        for mb in mini_batches:
+            num_tokens = sum(len(t.response_ids) for t in mb)
+            self.optimizer.zero_grad(set_to_none=True)
+            for group in token_budget_batches([t.num_tokens for t in mb], self.cfg.micro_batch_tokens):
+                micro = [mb[i] for i in group]
+                batch = collate(micro, torch.tensor([adv_by_id[t.traj_id] for t in micro]),
+                                self.pad_token_id)
+                loss, stats = self._loss(batch, num_tokens)
+                loss.backward()
+                weight = batch.num_response_tokens / num_tokens  # token-weighted average of stats
+                for key, value in {**stats, "loss": loss.item() / weight}.items():
+                    sums[key] = sums.get(key, 0.0) + value * weight
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            self.optimizer.step()
+            sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
+        self.version += 1
+        metrics = {key: value / len(mini_batches) for key, value in sums.items()}
+        metrics["train_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _loss(self, batch: Batch, num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
+        logprobs = self.sequence_logprobs(self.model, batch)
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref = self.sequence_logprobs(self.ref_model, batch)
+        return policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.response_mask,
+                           self.cfg.eps_low, self.cfg.eps_high, ref, self.cfg.kl_coef, num_tokens)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The weights to publish: a detached view of every parameter (no copy)."""
+        return {name: p.detach() for name, p in self.model.named_parameters()}
+
+    # ----------------------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, path: str | Path, tokenizer: PreTrainedTokenizerBase,
+                        extra: dict[str, Any] | None = None) -> Path:
+        """Write atomically: into `path.tmp`, then rename; a crash never leaves half a checkpoint."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.model.save_pretrained(tmp / "model")
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                    "python": random.getstate()}, tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({"version": self.version, **(extra or {})}))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+        return path
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Restore weights, optimizer, version and RNG; returns the caller state saved with it."""
+        from transformers import AutoModelForCausalLM
+
+        path = Path(path)
+        saved = AutoModelForCausalLM.from_pretrained(path / "model", dtype=torch.float32)
+        self.model.load_state_dict(saved.state_dict())
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        rng = torch.load(path / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        extra = json.loads((path / "trainer_state.json").read_text())
+        self.version = extra.pop("version")
+        return extra

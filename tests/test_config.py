@@ -1,0 +1,90 @@
+"""Config loading: every example parses; user mistakes get one clear message, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from laminar.config import Config, ConfigError, load_config
+
+EXAMPLES = sorted(Path(__file__).resolve().parents[1].joinpath("examples").glob("*.yaml"))
+
+
+def test_examples_exist():
+    assert EXAMPLES, "examples/ should ship at least one config"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_parses(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+
+
+def test_every_field_has_a_description():
+    def walk(model, prefix=""):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{prefix}{name} has no description"
+            sub = field.annotation
+            for candidate in (sub, *getattr(sub, "__args__", ())):
+                if isinstance(candidate, type) and hasattr(candidate, "model_fields"):
+                    walk(candidate, f"{prefix}{name}.")
+    walk(Config)
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config(EXAMPLES[0], ["trainer.lr=1e-4", "rollout.group_size=4", "task.reward=null",
+                                    "trainer.betas=[0.8, 0.9]"])
+    assert cfg.trainer.lr == 1e-4
+    assert cfg.rollout.group_size == 4
+    assert cfg.trainer.betas == (0.8, 0.9)
+
+
+def test_unknown_key_names_the_key_and_suggests():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["trainer.lrr=1e-4"])
+    msg = str(e.value)
+    assert "unknown key 'trainer.lrr'" in msg
+    assert "Did you mean 'lr'" in msg
+    assert "Allowed keys in trainer:" in msg
+
+
+def test_wrong_type_names_key_and_value():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["rollout.group_size=many"])
+    msg = str(e.value)
+    assert "'rollout.group_size' = 'many'" in msg
+    assert "valid integer" in msg
+
+
+def test_bad_value_says_what_is_allowed():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.preset=huge"])
+    assert "'model.preset' = 'huge'" in str(e.value)
+    assert "'tiny' or 'small'" in str(e.value)
+    with pytest.raises(ConfigError, match="greater than 0"):
+        load_config(None, ["trainer.lr=-1"])
+
+
+def test_impossible_combination_is_explained():
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens=10 cannot hold"):
+        load_config(None, ["rollout.max_new_tokens=10"])
+    with pytest.raises(ConfigError, match="task.name=dataset needs"):
+        load_config(None, ["task.name=dataset"])
+
+
+def test_malformed_override_and_missing_file():
+    with pytest.raises(ConfigError, match="key.subkey=value"):
+        load_config(None, ["trainer.lr"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("no/such.yaml")
+
+
+def test_cli_prints_one_message_without_traceback():
+    proc = subprocess.run([sys.executable, "-m", "laminar.cli", "train", str(EXAMPLES[0]),
+                           "trainer.lrr=1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown key 'trainer.lrr'" in proc.stderr
+    assert "Traceback" not in proc.stderr

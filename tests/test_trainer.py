@@ -1,0 +1,111 @@
+"""Trainer pieces against hand-computed numbers: advantages, the clipped loss, batching."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from laminar.config import TrainerConfig
+from laminar.models import build_preset
+from laminar.trainer.advantage import group_advantages
+from laminar.trainer.batching import token_budget_batches
+from laminar.trainer.loss import policy_loss, token_logprobs
+from laminar.trainer.trainer import Trainer, collate, split_groups
+from laminar.types import Trajectory
+
+
+def test_group_advantages_by_hand():
+    adv = group_advantages([1.0, 0.0, 0.0, 1.0, 0.3, 0.3], ["a", "a", "a", "a", "b", "b"])
+    s = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
+    assert adv[:4].tolist() == pytest.approx([0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s], rel=1e-5)
+    assert adv[4:].tolist() == [0.0, 0.0]  # equal rewards: no signal
+
+
+def test_group_advantages_any_order():
+    adv = group_advantages([2.0, 5.0, 4.0, 1.0], ["x", "y", "x", "y"])
+    assert adv[0] < 0 < adv[2] and adv[3] < 0 < adv[1]
+    assert float(adv[0] + adv[2]) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_clip_higher_loss_by_hand():
+    ratios = torch.tensor([[1.5, 0.5], [0.5, 1.5]])
+    logprobs = ratios.log()
+    old = torch.zeros(2, 2)
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, stats = policy_loss(logprobs, old, adv, mask, eps_low=0.2, eps_high=0.28)
+    # A: max(-1.5, -1.28) = -1.28; max(-0.5, -0.8) = -0.5.  B: max(1.0, 1.6) = 1.6.  Mean of 3.
+    assert loss.item() == pytest.approx((-1.28 - 0.5 + 1.6) / 3, rel=1e-6)
+    assert stats["clip_frac"] == pytest.approx(2 / 3)
+    loss_sum, _ = policy_loss(logprobs, old, adv, mask, num_tokens=6)  # mini-batch of 6 tokens
+    assert loss_sum.item() == pytest.approx((-1.28 - 0.5 + 1.6) / 6, rel=1e-6)
+
+
+def test_kl_term_by_hand():
+    r = 1.5
+    logprobs = torch.tensor([[math.log(r)]])
+    loss, stats = policy_loss(logprobs, logprobs.detach(), torch.tensor([0.0]), torch.ones(1, 1),
+                              ref_logprobs=torch.zeros(1, 1), kl_coef=0.1)
+    k3 = 1 / r + math.log(r) - 1
+    assert stats["kl"] == pytest.approx(k3, rel=1e-5)
+    assert loss.item() == pytest.approx(0.1 * k3, rel=1e-5)
+
+
+def test_loss_gradient_vanishes_when_clipped():
+    lp = torch.tensor([[math.log(2.0)]], requires_grad=True)
+    loss, _ = policy_loss(lp, torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1))
+    loss.backward()
+    assert lp.grad.item() == 0.0  # ratio 2 > 1.28 with positive advantage: no push further
+
+
+def test_token_logprobs_temperature():
+    logits = torch.tensor([[[2.0, 0.0]]])
+    lp = token_logprobs(logits, torch.tensor([[0]]), temperature=2.0)
+    assert lp.item() == pytest.approx(math.log(math.e / (math.e + 1)), rel=1e-6)
+
+
+def _traj(i, group, prompt, response, version=0, reward=0.0):
+    return Trajectory(traj_id=f"{group}/{i}", group_id=group, prompt_ids=prompt,
+                      response_ids=response, logprobs=[-0.1 * (k + 1) for k in range(len(response))],
+                      version=version, reward=reward)
+
+
+def test_collate_aligns_behaviour_logprobs_with_the_predicting_positions():
+    t = _traj(0, "g", [1, 10, 11], [20, 21, 2])
+    b = collate([t, _traj(1, "g", [1, 12], [22])], torch.tensor([1.0, -1.0]), pad_token_id=0)
+    assert b.input_ids[0].tolist() == [1, 10, 11, 20, 21, 2]
+    # position 2 (token 11) predicts the first response token 20
+    assert b.response_mask[0].tolist() == [0, 0, 1, 1, 1]
+    assert b.targets[0, 2:].tolist() == [20, 21, 2]
+    assert b.old_logprobs[0, 2:].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert b.response_mask[1].tolist() == [0, 1, 0, 0, 0]
+    assert b.num_response_tokens == 4
+
+
+def test_token_budget_batches():
+    groups = token_budget_batches([5, 100, 6, 7, 50], max_tokens=20)
+    assert groups == [[0, 2], [3], [4], [1]]  # 2*6=12 fits, 3*7=21 does not
+    assert sorted(i for g in groups for i in g) == list(range(5))
+
+
+def test_split_groups_keeps_groups_whole():
+    trajs = [_traj(i, f"g{i // 2}", [1], [5]) for i in range(6)]
+    parts = split_groups(trajs, 2)
+    assert [[t.group_id for t in p] for p in parts] == [["g0", "g0", "g1", "g1"], ["g2", "g2"]]
+
+
+def test_train_step_records_staleness_and_bumps_version():
+    torch.manual_seed(0)
+    model = build_preset("tiny")
+    trainer = Trainer(model, TrainerConfig(lr=1e-3, mini_batches=2), pad_token_id=0)
+    trainer.version = 3
+    trajs = [_traj(i, f"g{i // 2}", [1, 5, 6], [7, 8, 2], version=i % 2 + 2, reward=float(i % 2))
+             for i in range(4)]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stats = trainer.train_step(trajs)
+    assert trainer.version == 4
+    assert [t.staleness for t in trajs] == [1, 0, 1, 0]
+    assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
