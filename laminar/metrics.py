@@ -34,9 +34,15 @@ def summarize(trajs: list[Trajectory]) -> dict[str, Any]:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, total_steps: int, console: bool = True) -> None:
+    def __init__(self, run_dir: str | Path, total_steps: int, console: bool = True,
+                 fresh: bool = True) -> None:
+        """`fresh`: a new run; an earlier run's metrics in the same directory are kept aside
+        as metrics.<time>.jsonl rather than mixed in (a resumed run appends instead)."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if fresh and self.path.exists():
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.path.stat().st_mtime))
+            self.path.rename(self.path.with_name(f"metrics.{stamp}.jsonl"))
         self.total_steps = total_steps
         self.console = console
         self.t0 = time.time()
@@ -53,3 +59,10 @@ class MetricsLogger:
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def reward_trend(rows: list[dict[str, Any]], window: int = 10) -> tuple[float, float]:
+    """Mean training reward over the first and the last `window` steps of a run."""
+    rewards = [r["reward"] for r in rows if "reward" in r]
+    k = max(1, min(window, len(rewards) // 2))
+    return float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from laminar.config import Config
-from laminar.metrics import MetricsLogger, summarize
+from laminar.metrics import MetricsLogger, read_metrics, reward_trend, summarize
 from laminar.models.tokenizer import encode_prompt
 from laminar.modes.common import (Stopwatch, group_requests, make_engine, sampling_params,
                                   starting_model, to_trajectory)
@@ -40,7 +40,7 @@ def run(cfg: Config) -> dict[str, float]:
         print(f"resumed from {cfg.trainer.resume} at version {trainer.version}")
     engine = make_engine(cfg, copy.deepcopy(model).eval(), tokenizer, version=trainer.version)
     run_dir = cfg.resolved_run_dir
-    logger = MetricsLogger(run_dir, cfg.trainer.total_steps)
+    logger = MetricsLogger(run_dir, cfg.trainer.total_steps, fresh=not cfg.trainer.resume)
     params = sampling_params(cfg)
     before = evaluate(engine, tokenizer, task, cfg.rollout.max_new_tokens)
     print(f"sync mode: {cfg.trainer.total_steps} steps x {cfg.trainer.prompts_per_step} prompts x "
@@ -76,6 +76,9 @@ def run(cfg: Config) -> dict[str, float]:
                                     {"sampler": sampler.state_dict()})
 
     after = evaluate(engine, tokenizer, task, cfg.rollout.max_new_tokens)
-    print(f"done: eval exact match {before['eval_exact_match']:.2f} -> {after['eval_exact_match']:.2f}, "
+    first, last = reward_trend(read_metrics(run_dir))
+    print(f"done: mean training reward {first:.3f} (first steps) -> {last:.3f} (last steps); "
+          f"eval exact match {before['eval_exact_match']:.2f} -> {after['eval_exact_match']:.2f}, "
           f"eval reward {before['eval_reward']:.3f} -> {after['eval_reward']:.3f} ({run_dir})")
-    return {"before_" + k: v for k, v in before.items()} | {"after_" + k: v for k, v in after.items()}
+    return ({"before_" + k: v for k, v in before.items()} | {"after_" + k: v for k, v in after.items()}
+            | {"reward_first": first, "reward_last": last})
