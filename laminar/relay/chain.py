@@ -84,6 +84,10 @@ class Link(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    @abstractmethod
+    def set_timeout(self, seconds: float | None) -> None:
+        """How long a send or a wait for data may take before the peer counts as hung."""
+
     def recv_exact(self, n: int) -> bytes:
         buf = bytearray(n)
         self.recv_into(memoryview(buf))
@@ -185,6 +189,9 @@ class TcpLink(Link):
             if k == 0:
                 raise LinkError(f"{self.peer} closed the connection")
             got += k
+
+    def set_timeout(self, seconds: float | None) -> None:
+        self.sock.settimeout(seconds)
 
     def close(self) -> None:
         try:
@@ -481,12 +488,15 @@ def _on_chunk(link: Link, store: WeightStore, buf: VersionBuffer, f: Frame,
             claimed.append((buf, f.index))
     if not mine:  # verified already, or arriving over another link: read and drop
         link.recv_exact(f.length)
+        buf.num_received += 1
         return False
     view = buf.chunk(f.index)
     link.recv_into(view)
+    buf.num_received += 1
     if zlib.crc32(view) != h.checksums[f.index] or f.crc != h.checksums[f.index]:
         with store.cond:
             buf.state[f.index] = MISSING
+            buf.num_rejected += 1
         log.warning("chunk %d of version %d from %s failed its checksum; asking again",
                     f.index, f.version, link.peer)
         link.send(NACK, f.version, f.index)
@@ -499,10 +509,13 @@ def _on_chunk(link: Link, store: WeightStore, buf: VersionBuffer, f: Frame,
 
 
 def call(transport: Transport, address: tuple[str, int], secret: bytes, op: str,
-         **args: Any) -> Any:
-    """One request to a relay; returns its result or raises RuntimeError with its error."""
+         reply_timeout_s: float | None = None, **args: Any) -> Any:
+    """One request to a relay; returns its result or raises RuntimeError with its error.
+    `reply_timeout_s` overrides the transport timeout for slow requests (None: keep it)."""
     link = connect(transport, address, secret, ROLE_CONTROL)
     try:
+        if reply_timeout_s is not None:
+            link.set_timeout(reply_timeout_s)
         link.send(REQUEST, payload=json.dumps({"op": op, "args": args}).encode())
         f = link.recv()
         if f.kind != REPLY or f.length > MAX_META_BYTES:

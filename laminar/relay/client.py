@@ -109,7 +109,8 @@ class Pusher:
                 info = self.plan.relays[master]
                 try:
                     if info.node == self.node:
-                        if staged is None:
+                        # a master that died while adopting may have taken the file with it
+                        if staged is None or not staged.exists():
                             staged = stage_version(state_dict, version, self.cfg.shm_dir,
                                                    f"lam-push-{os.getpid()}.v{version}",
                                                    self.cfg.chunk_bytes)

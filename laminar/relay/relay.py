@@ -113,15 +113,19 @@ class Relay:
                 "prefix": self.store.prefix, "nbytes": buf.header.nbytes}
 
     def heartbeat(self) -> dict[str, Any]:
+        """Liveness and state, JSON-safe (per-version maps are keyed by str(version))."""
         latest = self.store.latest()
         with self.store.cond:
             successor = self.plan.successor(self.id)
-            progress = {v: [self.store.get(v).num_verified, self.store.get(v).header.num_chunks]
-                        for v in self.store.versions()}
+            bufs = [self.store.get(v) for v in self.store.versions()]
+            progress = {str(b.version): {"verified": b.num_verified, "chunks": b.header.num_chunks,
+                                    "received": b.num_received, "rejected": b.num_rejected}
+                        for b in bufs}
         return {"id": self.id, "pid": os.getpid(), "time": time.time(), "info": self.info.to_dict(),
                 "epoch": self.plan.epoch, "successor": successor,
                 "latest": latest.version if latest else None, "progress": progress,
-                "completed_at": dict(self.completed_at), "forwarded_at": dict(self.forwarded_at),
+                "completed_at": {str(v): t for v, t in self.completed_at.items()},
+                "forwarded_at": {str(v): t for v, t in self.forwarded_at.items()},
                 "failures": list(self.failures), "held": self.store.held_versions()}
 
     def send_to(self, targets: list[Mapping[str, Any]], version: int | None = None) -> list[float]:

@@ -130,6 +130,8 @@ class VersionBuffer:
         self.data = memoryview(mm)[header.data_offset:header.data_offset + header.nbytes]
         self.state = bytearray(header.num_chunks)
         self.num_verified = 0
+        self.num_received = 0  # chunk frames that arrived for this version (duplicates included)
+        self.num_rejected = 0  # of those, how many failed their checksum
         self.pins = 0  # users inside this process (senders); never freed while pinned
         self.published_at: float | None = None
         self.completed_at: float | None = None

@@ -1,0 +1,174 @@
+"""The shared-memory weight store, with readers in real separate processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import uuid
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from laminar.relay.store import (WeightStore, cleanup, layout, open_latest, read_latest_version,
+                                 segment_path)
+
+SHM = "/dev/shm"
+
+
+@pytest.fixture
+def prefix():
+    p = f"lam-test-{uuid.uuid4().hex[:8]}"
+    yield p
+    left = sorted(x.name for x in Path(SHM).glob(f"{p}.*"))
+    cleanup(SHM, p)
+    assert not left, f"test left shared-memory files behind: {left}"
+
+
+def put_version(store: WeightStore, version: int, nbytes: int = 1 << 20, chunk: int = 64 << 10,
+                pause_s: float = 0.0) -> None:
+    """Write a version the way the transport does: chunk by chunk into the segment, then publish.
+    Every byte of version v is v % 251, so a reader can tell versions apart and spot mixes."""
+    header = layout([("a", "uint8", (nbytes // 2,)), ("b", "float32", (nbytes // 8,))], version, chunk)
+    data = bytes([version % 251]) * header.nbytes
+    header.checksums = [zlib.crc32(data[a:b]) for a, b in map(header.chunk_range, range(header.num_chunks))]
+    buf = store.create(header)
+    for i in range(header.num_chunks):
+        a, b = header.chunk_range(i)
+        buf.chunk(i)[:] = data[a:b]
+        store.mark_verified(buf, i)
+        if pause_s:
+            time.sleep(pause_s)
+    store.publish(version)
+
+
+def test_a_published_version_reads_back_with_its_index(prefix):
+    store = WeightStore(SHM, prefix, keep_versions=2)
+    try:
+        assert read_latest_version(SHM, prefix) is None and open_latest(SHM, prefix) is None
+        put_version(store, 3)
+        assert read_latest_version(SHM, prefix) == 3
+        with open_latest(SHM, prefix) as snap:
+            assert snap.version == 3
+            assert [t.name for t in snap.header.tensors] == ["a", "b"]
+            assert snap.header.tensors[1].offset % 64 == 0
+            assert snap.verify() == []
+            assert set(np.frombuffer(snap.data, dtype=np.uint8)) == {3}
+        assert open_latest(SHM, prefix, newer_than=3) is None
+    finally:
+        store.close()
+
+
+def test_only_complete_versions_can_be_published(prefix):
+    store = WeightStore(SHM, prefix)
+    try:
+        header = layout([("w", "uint8", (1000,))], 1, 256)
+        header.checksums = [0] * header.num_chunks
+        store.create(header)
+        with pytest.raises(ValueError, match="only complete versions"):
+            store.publish(1)
+        assert read_latest_version(SHM, prefix) is None
+    finally:
+        store.close()
+
+
+def _reader(prefix: str, seconds: float, out: mp.Queue) -> None:
+    reads, versions, errors = 0, set(), []
+    last = -1
+    end = time.time() + seconds
+    while time.time() < end:
+        snap = open_latest(SHM, prefix)
+        if snap is None:
+            continue
+        with snap:
+            values = np.unique(np.frombuffer(snap.data, dtype=np.uint8))
+            if list(values) != [snap.version % 251]:
+                errors.append(f"version {snap.version} holds bytes {values[:5]}")
+            if snap.verify():
+                errors.append(f"version {snap.version} fails its checksums")
+            if snap.version < last:
+                errors.append(f"went back from {last} to {snap.version}")
+            last = snap.version
+        reads += 1
+        versions.add(snap.version)
+    out.put((reads, len(versions), errors))
+
+
+def test_a_reader_always_sees_a_complete_version_while_newer_ones_are_written(prefix):
+    store = WeightStore(SHM, prefix, keep_versions=2)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    put_version(store, 0)
+    reader = ctx.Process(target=_reader, args=(prefix, 3.0, out))
+    reader.start()
+    try:
+        v = 1
+        while reader.is_alive():
+            put_version(store, v, pause_s=0.002)  # slow writes: readers overlap every stage
+            v += 1
+        reads, distinct, errors = out.get(timeout=10)
+    finally:
+        reader.join(10)
+        store.close()
+    assert errors == []
+    assert reads > 10 and distinct > 3, (reads, distinct)
+
+
+def _holder(prefix: str, held: mp.Event, release: mp.Event, out: mp.Queue) -> None:
+    snap = open_latest(SHM, prefix)
+    view = np.frombuffer(snap.data, dtype=np.uint8)  # a live view: the version must stay held
+    held.set()
+    release.wait(30)
+    out.put((snap.version, bool((view == snap.version % 251).all()), snap.verify()))
+    del view
+    snap.close()
+
+
+def test_versions_a_reader_holds_are_kept_and_freed_after_release(prefix):
+    store = WeightStore(SHM, prefix, keep_versions=2)
+    ctx = mp.get_context("spawn")
+    held, release, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    try:
+        put_version(store, 1)
+        holder = ctx.Process(target=_holder, args=(prefix, held, release, out))
+        holder.start()
+        assert held.wait(30)
+        for v in (2, 3, 4):
+            put_version(store, v)
+        # v1 is held, v2 is beyond the K=2 newest and free: it goes, v1 stays
+        assert store.versions() == [1, 3, 4]
+        assert store.held_versions() == [1]
+        assert segment_path(SHM, prefix, 1).exists() and not segment_path(SHM, prefix, 2).exists()
+        release.set()
+        version, intact, bad_chunks = out.get(timeout=30)
+        holder.join(30)
+        assert (version, intact, bad_chunks) == (1, True, [])
+        assert store.collect() == [1]
+        assert store.versions() == [3, 4]
+    finally:
+        store.close()
+
+
+def test_a_new_store_removes_files_a_killed_owner_left_behind(prefix):
+    store = WeightStore(SHM, prefix)
+    put_version(store, 1)
+    # simulate SIGKILL: the owner's files stay, nothing closed them
+    leftovers = sorted(p.name for p in Path(SHM).glob(f"{prefix}.*"))
+    assert leftovers == [f"{prefix}.latest", f"{prefix}.v1"]
+    again = WeightStore(SHM, prefix)
+    assert not list(Path(SHM).glob(f"{prefix}.*"))
+    again.close()
+    for buf_version in store.versions():  # release the first owner's mappings
+        store.get(buf_version).close()
+
+
+def test_store_rejects_bad_settings(prefix, tmp_path):
+    with pytest.raises(ValueError, match="keep_versions=1"):
+        WeightStore(SHM, prefix, keep_versions=1)
+    with pytest.raises(ValueError, match="does not exist"):
+        WeightStore(tmp_path / "nope", prefix)
+    with pytest.raises(ValueError, match="dtype complex64"):
+        layout([("x", "complex64", (2,))], 1, 1024)
+    assert os.path.isdir(SHM)
