@@ -48,3 +48,75 @@ class PromptSampler:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
         self._order = self._permutation(self.epoch)
+
+
+class PromptPool:
+    """Leases of prompt groups with an owner and a deadline (pure; the runtime hosts it in a
+    Ray actor). A group is leased until `complete`; a dead owner's leases go back to the
+    front of the queue, so nothing leased is ever lost.
+
+    Accounting invariant: every group handed out is in exactly one of `leases` (in flight),
+    `returned` (pending re-issue) or `completed` — see `accounting()`."""
+
+    def __init__(self, sampler: PromptSampler, lease_timeout_s: float = 600.0) -> None:
+        self.sampler = sampler
+        self.lease_timeout_s = lease_timeout_s
+        self.leases: dict[str, tuple[PromptGroup, str, float]] = {}  # group id -> (group, owner, deadline)
+        self.returned: list[PromptGroup] = []  # groups of dead owners, issued again first
+        self.completed: list[str] = []
+
+    def lease(self, owner: str, n: int, now: float) -> list[PromptGroup]:
+        groups = []
+        for _ in range(n):
+            group = self.returned.pop(0) if self.returned else self.sampler.next_group()
+            self.leases[group.group_id] = (group, owner, now + self.lease_timeout_s)
+            groups.append(group)
+        return groups
+
+    def renew(self, owner: str, now: float) -> None:
+        """An owner's heartbeat: push its deadlines out."""
+        for gid, (group, who, _) in self.leases.items():
+            if who == owner:
+                self.leases[gid] = (group, who, now + self.lease_timeout_s)
+
+    def transfer(self, group_ids: list[str], owner: str, now: float) -> None:
+        """Hand leases to another owner (their trajectories moved there)."""
+        for gid in group_ids:
+            if gid in self.leases:
+                self.leases[gid] = (self.leases[gid][0], owner, now + self.lease_timeout_s)
+
+    def complete(self, group_id: str) -> bool:
+        """Every sample of the group reached the experience buffer; False if not leased."""
+        if self.leases.pop(group_id, None) is None:
+            return False
+        self.completed.append(group_id)
+        return True
+
+    def release_owner(self, owner: str, keep: set[str] = frozenset()) -> list[str]:
+        """A dead owner's leases return to the pool, except groups in `keep` (whose samples live
+        on elsewhere: in the partial pool or the buffer). Returns the group ids returned."""
+        back = [gid for gid, (_, who, _) in self.leases.items() if who == owner and gid not in keep]
+        for gid in back:
+            self.returned.append(self.leases.pop(gid)[0])
+        return back
+
+    def expired_owners(self, now: float) -> set[str]:
+        """Owners with a lease past its deadline (they stopped renewing: presumed dead)."""
+        return {who for _, who, deadline in self.leases.values() if deadline < now}
+
+    def accounting(self) -> dict[str, int]:
+        return {"leased": len(self.leases), "returned": len(self.returned),
+                "completed": len(self.completed)}
+
+    def state_dict(self) -> dict:
+        """Position plus every unfinished group, so a restored pool re-issues them first."""
+        pending = [g for g, _, _ in self.leases.values()] + self.returned
+        return {"sampler": self.sampler.state_dict(),
+                "pending": [(g.group_id, g.item.index) for g in pending]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.leases.clear()
+        self.returned = [PromptGroup(gid, self.sampler.items[idx],
+                                     self.sampler.encode(self.sampler.items[idx].prompt),
+                                     self.sampler.num_samples) for gid, idx in state["pending"]]

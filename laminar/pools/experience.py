@@ -1,0 +1,91 @@
+"""The experience buffer: finished trajectories in, complete GRPO groups out.
+
+- `put` is idempotent on the trajectory id: a retried put (after a timeout, a restart) never
+  duplicates a sample.
+- A group is released only when all of its samples are in (its advantages need all of them).
+- `sample` takes complete groups by a pluggable policy, FIFO by completion by default.
+- An optional max-staleness filter drops groups with a sample older than the bound at
+  sampling time; drops are counted and reported, never silent. Admission control (pacing the
+  rollouts) is the better tool — dropping biases training toward short responses.
+Pure; the runtime hosts it in a Ray actor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from laminar.types import Trajectory
+
+# policy(complete groups in completion order, how many, trainer version) -> indices to take
+SamplingPolicy = Callable[[list[list[Trajectory]], int, int], list[int]]
+
+
+def fifo(groups: list[list[Trajectory]], n: int, trainer_version: int) -> list[int]:
+    return list(range(min(n, len(groups))))
+
+
+@dataclass
+class BufferStats:
+    puts: int = 0
+    duplicates: int = 0  # retried puts ignored
+    groups_released: int = 0
+    dropped_groups: int = 0  # by the staleness filter
+    dropped_trajectories: int = 0
+
+
+class ExperienceBuffer:
+    def __init__(self, group_size: int, max_staleness: int | None = None,
+                 policy: SamplingPolicy = fifo) -> None:
+        self.group_size = group_size
+        self.max_staleness = max_staleness
+        self.policy = policy
+        self.seen: set[str] = set()  # every trajectory id ever put
+        self.filling: dict[str, list[Trajectory]] = {}  # group id -> samples so far
+        self.complete: list[list[Trajectory]] = []  # in completion order
+        self.stats = BufferStats()
+
+    def put(self, traj: Trajectory) -> bool:
+        """Store one finished sample. Returns True when this put completed its group."""
+        if traj.traj_id in self.seen:
+            self.stats.duplicates += 1
+            return False
+        self.seen.add(traj.traj_id)
+        self.stats.puts += 1
+        samples = self.filling.setdefault(traj.group_id, [])
+        samples.append(traj)
+        if len(samples) < self.group_size:
+            return False
+        self.complete.append(sorted(self.filling.pop(traj.group_id), key=lambda t: t.traj_id))
+        return True
+
+    def num_ready(self) -> int:
+        return len(self.complete)
+
+    def sample(self, num_groups: int, trainer_version: int) -> list[list[Trajectory]] | None:
+        """`num_groups` complete groups, or None (nothing taken) if fewer are ready."""
+        if self.max_staleness is not None:
+            self._drop_stale(trainer_version)
+        if len(self.complete) < num_groups:
+            return None
+        picks = sorted(self.policy(self.complete, num_groups, trainer_version))
+        if len(picks) != num_groups or len(set(picks)) != num_groups:
+            raise ValueError(f"sampling policy returned {picks} for {num_groups} groups")
+        taken = [self.complete[i] for i in picks]
+        for i in reversed(picks):
+            del self.complete[i]
+        self.stats.groups_released += len(taken)
+        return taken
+
+    def _drop_stale(self, trainer_version: int) -> None:
+        keep = []
+        for group in self.complete:
+            if max(trainer_version - t.version for t in group) > self.max_staleness:
+                self.stats.dropped_groups += 1
+                self.stats.dropped_trajectories += len(group)
+            else:
+                keep.append(group)
+        self.complete = keep
+
+    def group_ids(self) -> set[str]:
+        return set(self.filling) | {g[0].group_id for g in self.complete}
