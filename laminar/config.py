@@ -82,14 +82,53 @@ class EngineConfig(Section):
         16384, ge=16, description="KV-cache capacity in tokens (prompt + generated, all requests).")
 
 
+class EnvLatencyConfig(Section):
+    enabled: bool = Field(False, description="Emulate a sandbox/tool call per trajectory: after "
+                          "generation, the trajectory waits a random latency before its reward.")
+    median_s: float = Field(0.5, ge=0.0, description="Median latency of one call in seconds.")
+    sigma: float = Field(1.0, ge=0.0, description="Log-normal sigma (the tail: p99 ~ exp(2.33 "
+                         "sigma) x median, like the paper's Fig. 2 right).")
+    max_s: float = Field(10.0, gt=0.0, description="Clip of a single call's latency.")
+
+
 class RolloutConfig(Section):
     num_workers: int = Field(1, ge=1, description="Rollout workers (each owns one engine).")
+    batch_groups: int = Field(8, ge=1, description="Prompt groups one rollout leases as its batch "
+                              "(laminar/partial modes); it pulls new weights when the batch is done.")
+    stream_every: int = Field(16, ge=1, description="Stream each trajectory's new tokens to the "
+                              "partial response pool every this many tokens.")
+    threads: int = Field(1, ge=1, description="torch threads per rollout worker.")
+    env_latency: EnvLatencyConfig = Field(default_factory=EnvLatencyConfig,
+                                          description="Emulated environment (tool call) latency.")
     group_size: int = Field(8, ge=2, description="Samples per prompt (the GRPO group size n).")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; 1.0 = off.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
     max_new_tokens: int = Field(80, ge=1, description="Response token budget.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engine.")
+
+
+class ClusterConfig(Section):
+    address: str | None = Field(None, description="Ray cluster to join (e.g. ray://head:10001 or "
+                                "auto); unset = start an embedded local cluster.")
+    virtual_nodes: int = Field(1, ge=1, description="On one machine: split the rollout workers "
+                               "into this many groups, each with its own relay process, so the "
+                               "relay chain runs for real.")
+    num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of the embedded cluster "
+                                 "(default: enough for every actor).")
+    wait_timeout_s: float = Field(300.0, gt=0.0, description="Longest any component may wait for "
+                                  "another (data, weights, a step) before the run fails naming it.")
+    heartbeat_s: float = Field(2.0, gt=0.0, description="Health-check period of the manager.")
+
+
+class ManagerConfig(Section):
+    repack: bool = Field(True, description="Dynamic repack of long-tail trajectories (laminar mode).")
+    interval_s: float = Field(0.5, gt=0.0, description="Period of the repack check (the paper "
+                              "uses 5 s on GPUs; CPU batches are shorter).")
+    c_max: float = Field(0.99, gt=0.0, le=1.0, description="KV utilisation threshold C_max of "
+                         "Algorithm 1.")
+    batch_bound: int = Field(32, ge=1, description="Roofline batch bound B of Algorithm 1: the "
+                             "most trajectories a destination may hold after a repack.")
 
 
 class TrainerConfig(Section):
@@ -109,6 +148,10 @@ class TrainerConfig(Section):
     threads: int = Field(2, ge=1, description="torch threads for training.")
     bf16: bool = Field(False, description="bfloat16 autocast for forward/backward (fp32 master weights).")
     resume: str | None = Field(None, description="Checkpoint directory to resume from.")
+    max_staleness: int | None = Field(None, ge=0, description="Drop (and count) groups staler "
+                                      "than this at sampling time; unset = no bound.")
+    partial_eta: int = Field(1, ge=0, description="`partial` mode: at most (eta + 1) global "
+                             "batches of prompts may be outstanding (AReaL's admission control).")
     seed: int = Field(0, description="Seed of the trainer and the sampling RNG.")
 
 
@@ -165,6 +208,8 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Optimisation.")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised warm start.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Ray placement.")
+    manager: ManagerConfig = Field(default_factory=ManagerConfig, description="Rollout manager.")
     relay: RelayConfig = Field(default_factory=RelayConfig,
                                description="Relay tier: shared-memory weight store and chain broadcast.")
 
@@ -181,6 +226,10 @@ class Config(Section):
             raise ValueError(f"rollout.max_new_tokens={self.rollout.max_new_tokens} cannot hold the "
                              f"longest reverse answer (task.reverse.max_len={rev.max_len} + EOS); "
                              f"set rollout.max_new_tokens >= {rev.max_len + 1}")
+        if self.cluster.virtual_nodes > self.rollout.num_workers:
+            raise ValueError(f"cluster.virtual_nodes={self.cluster.virtual_nodes} exceeds "
+                             f"rollout.num_workers={self.rollout.num_workers}; every virtual node "
+                             "needs at least one rollout worker")
         if self.trainer.mini_batches > self.trainer.prompts_per_step:
             raise ValueError(f"trainer.mini_batches={self.trainer.mini_batches} exceeds "
                              f"trainer.prompts_per_step={self.trainer.prompts_per_step}; a "

@@ -40,7 +40,19 @@ def test_dead_owner_leases_return_first_and_accounting_holds():
     assert again[0].group_id == a[0].group_id  # re-issued before fresh prompts
     assert again[1].group_id not in {g.group_id for g in a + b}
     acct = pool.accounting()
-    assert acct == {"leased": 3, "returned": 0, "completed": 1}  # a[1], again[0], again[1]
+    assert acct == {"leased": 3, "returned": 0, "completed": 1, "consumed": 0}  # a[1], again[*]
+
+
+def test_admission_control_bounds_outstanding_groups():
+    pool = PromptPool(PromptSampler(ITEMS, encode, 2), max_outstanding=3)
+    assert len(pool.lease("a", 2, now=0.0)) == 2
+    got = pool.lease("b", 2, now=0.0)
+    assert len(got) == 1  # 3 outstanding: the bound
+    assert pool.lease("b", 1, now=0.0) == []
+    pool.complete(got[0].group_id)
+    assert pool.lease("b", 1, now=0.0) == []  # completed but not trained still counts
+    pool.mark_consumed(1)
+    assert len(pool.lease("b", 5, now=0.0)) == 1
 
 
 def test_expired_owners_and_renewal():

@@ -59,6 +59,10 @@ class ExperienceBuffer:
         self.complete.append(sorted(self.filling.pop(traj.group_id), key=lambda t: t.traj_id))
         return True
 
+    def put_many(self, trajs: list[Trajectory]) -> list[str]:
+        """Store several samples; returns the ids of the groups they completed."""
+        return [t.group_id for t in trajs if self.put(t)]
+
     def num_ready(self) -> int:
         return len(self.complete)
 
@@ -89,3 +93,7 @@ class ExperienceBuffer:
 
     def group_ids(self) -> set[str]:
         return set(self.filling) | {g[0].group_id for g in self.complete}
+
+    def counts(self) -> dict[str, int]:
+        return {"ready_groups": len(self.complete), "filling_groups": len(self.filling),
+                **self.stats.__dict__}

@@ -43,6 +43,10 @@ class PartialPool:
                                   list(req.output_ids), list(req.logprobs), req.version),
                 group, owner, [req.version] * len(req.output_ids))
 
+    def register_many(self, owner: str, groups: list[tuple[PromptGroup, list[GenerationRequest]]]) -> None:
+        for group, requests in groups:
+            self.register(owner, group, requests)
+
     def update(self, owner: str, updates: list[TokenUpdate]) -> int:
         """Append streamed tokens; updates from a rollout that no longer owns the entry are
         ignored (it was declared dead or the entry moved). Returns how many were applied."""

@@ -58,14 +58,24 @@ class PromptPool:
     Accounting invariant: every group handed out is in exactly one of `leases` (in flight),
     `returned` (pending re-issue) or `completed` — see `accounting()`."""
 
-    def __init__(self, sampler: PromptSampler, lease_timeout_s: float = 600.0) -> None:
+    def __init__(self, sampler: PromptSampler, lease_timeout_s: float = 600.0,
+                 max_outstanding: int | None = None) -> None:
         self.sampler = sampler
         self.lease_timeout_s = lease_timeout_s
+        self.max_outstanding = max_outstanding  # admission control: groups not yet trained
+        self.consumed = 0  # groups the trainer has taken
         self.leases: dict[str, tuple[PromptGroup, str, float]] = {}  # group id -> (group, owner, deadline)
         self.returned: list[PromptGroup] = []  # groups of dead owners, issued again first
         self.completed: list[str] = []
 
+    def outstanding(self) -> int:
+        """Groups handed out (or due to be) that the trainer has not consumed yet."""
+        return len(self.leases) + len(self.returned) + len(self.completed) - self.consumed
+
     def lease(self, owner: str, n: int, now: float) -> list[PromptGroup]:
+        """Up to `n` groups; fewer (possibly none) when admission control holds back."""
+        if self.max_outstanding is not None:
+            n = min(n, len(self.returned) + max(0, self.max_outstanding - self.outstanding()))
         groups = []
         for _ in range(n):
             group = self.returned.pop(0) if self.returned else self.sampler.next_group()
@@ -104,9 +114,12 @@ class PromptPool:
         """Owners with a lease past its deadline (they stopped renewing: presumed dead)."""
         return {who for _, who, deadline in self.leases.values() if deadline < now}
 
+    def mark_consumed(self, n: int) -> None:
+        self.consumed += n
+
     def accounting(self) -> dict[str, int]:
         return {"leased": len(self.leases), "returned": len(self.returned),
-                "completed": len(self.completed)}
+                "completed": len(self.completed), "consumed": self.consumed}
 
     def state_dict(self) -> dict:
         """Position plus every unfinished group, so a restored pool re-issues them first."""

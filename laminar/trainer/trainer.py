@@ -82,6 +82,7 @@ class Trainer:
         self.pad_token_id = pad_token_id
         self.temperature = temperature if temperature > 0 else 1.0
         self.version = 0  # completed global batches = version of the current weights
+        self._pending: list[dict[str, float]] = []  # stats of this global batch's mini-batches
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
         self.ref_model = None
@@ -94,32 +95,41 @@ class Trainer:
         return token_logprobs(logits[:, :-1], batch.targets, self.temperature)
 
     def train_step(self, trajs: list[Trajectory]) -> dict[str, float]:
-        """One global batch: len(mini_batches) optimizer updates, then version += 1."""
+        """One global batch: `mini_batches` optimizer updates, then version += 1."""
+        for mb in split_groups(trajs, self.cfg.mini_batches):
+            self.train_minibatch(mb)
+        return self.finish_global_batch()
+
+    def train_minibatch(self, trajs: list[Trajectory]) -> None:
+        """One optimizer update on whole groups; gradients accumulate over length-sorted
+        micro-batches so the loss is the token-level mean of the mini-batch."""
         t0 = time.perf_counter()
         for t in trajs:
             t.staleness = self.version - t.version
-        adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs])
-        adv_by_id = {t.traj_id: a for t, a in zip(trajs, adv.tolist())}
+        adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs]).tolist()
+        num_tokens = sum(len(t.response_ids) for t in trajs)
         sums: dict[str, float] = {}
-        mini_batches = split_groups(trajs, self.cfg.mini_batches)
-        for mb in mini_batches:
-            num_tokens = sum(len(t.response_ids) for t in mb)
-            self.optimizer.zero_grad(set_to_none=True)
-            for group in token_budget_batches([t.num_tokens for t in mb], self.cfg.micro_batch_tokens):
-                micro = [mb[i] for i in group]
-                batch = collate(micro, torch.tensor([adv_by_id[t.traj_id] for t in micro]),
-                                self.pad_token_id)
-                loss, stats = self._loss(batch, num_tokens)
-                loss.backward()
-                weight = batch.num_response_tokens / num_tokens  # token-weighted average of stats
-                for key, value in {**stats, "loss": loss.item() / weight}.items():
-                    sums[key] = sums.get(key, 0.0) + value * weight
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-            self.optimizer.step()
-            sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        for group in token_budget_batches([t.num_tokens for t in trajs], self.cfg.micro_batch_tokens):
+            batch = collate([trajs[i] for i in group], torch.tensor([adv[i] for i in group]),
+                            self.pad_token_id)
+            loss, stats = self._loss(batch, num_tokens)
+            loss.backward()
+            weight = batch.num_response_tokens / num_tokens  # token-weighted average of stats
+            for key, value in {**stats, "loss": loss.item() / weight}.items():
+                sums[key] = sums.get(key, 0.0) + value * weight
+        sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                                 self.cfg.grad_clip))
+        self.optimizer.step()
+        sums["train_s"] = time.perf_counter() - t0
+        self._pending.append(sums)
+
+    def finish_global_batch(self) -> dict[str, float]:
+        """Close the global batch: version += 1; returns the mini-batches' mean stats."""
+        pending, self._pending = self._pending, []
         self.version += 1
-        metrics = {key: value / len(mini_batches) for key, value in sums.items()}
-        metrics["train_s"] = time.perf_counter() - t0
+        metrics = {key: sum(p[key] for p in pending) / len(pending) for key in pending[0]}
+        metrics["train_s"] = sum(p["train_s"] for p in pending)
         return metrics
 
     def _loss(self, batch: Batch, num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:

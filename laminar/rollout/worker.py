@@ -1,0 +1,315 @@
+"""A rollout worker: lease → generate → stream → finish → pull weights.
+
+One engine, one weight version at a time. The worker is a plain class; the runtime makes it a
+threaded Ray actor so that the manager's calls (`stats`, `export`, `adopt`) are served while a
+schedule's call (`run_free` or `generate_groups`) drives the loop. `self.lock` guards the
+engine and the in-flight table.
+
+The loop (`_tick`): one engine step; finished requests are scored and, after the emulated
+environment latency, put into the experience buffer (idempotent); every `stream_every` tokens
+each trajectory's new tokens go to the partial response pool, so that a dead or repacked
+worker loses nothing.
+
+Schedules drive it two ways:
+- `generate_groups(n)`: lease n groups now and return when they are all in the buffer (sync,
+  one_step, stream — the global-batch schedules);
+- `run_free(policy)`: keep going until `stop()`. When the worker's own batch is done it pulls
+  the newest version from its node's relay and leases the next batch (`laminar`); with
+  `partial` it also interrupts everything in flight whenever a newer version appears, swaps
+  weights and resumes with re-prefill (so one trajectory mixes versions).
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from laminar.config import Config
+from laminar.models import load_pretrained
+from laminar.modes.common import group_requests, make_engine, sampling_params
+from laminar.models.tokenizer import decode_response
+from laminar.pools.partials import TokenUpdate
+from laminar.tasks import Task
+from laminar.tasks.rewards import resolve_reward
+from laminar.types import GenerationRequest, PromptGroup, Trajectory
+
+
+@dataclass
+class WorkerCounters:
+    generated_tokens: int = 0
+    finished: int = 0
+    batches: int = 0
+    pulls: int = 0
+    pull_s: float = 0.0  # time spent copying new weights in
+    busy_s: float = 0.0  # engine steps
+    idle_s: float = 0.0  # nothing to decode (waiting for prompts, weights or the environment)
+    swaps: int = 0  # partial mode: in-flight interruptions
+    reprefill_tokens: int = 0  # partial mode / repack: tokens re-prefilled after a move or swap
+    reward_errors: int = 0
+    adopted: int = 0  # trajectories received by repack/failover
+    exported: int = 0
+    versions: list[int] = field(default_factory=list)  # versions loaded, in order
+
+
+class RolloutWorker:
+    def __init__(self, worker_id: str, cfg: Config, model_dir: str, relay: dict[str, Any] | None,
+                 pools: dict[str, Any], version: int = 0) -> None:
+        from laminar.relay.client import Puller
+        from laminar.relay.plan import RelayInfo
+
+        torch.set_num_threads(cfg.rollout.threads)
+        self.id = worker_id
+        self.cfg = cfg
+        model, self.tokenizer = load_pretrained(model_dir, cfg.model.attn_implementation)
+        self.engine = make_engine(cfg, model.eval(), self.tokenizer, version)
+        self.task = Task(cfg.task.name, [], [], resolve_reward(cfg.task.reward))
+        self.puller = Puller(RelayInfo.from_dict(relay), cfg.relay) if relay else None
+        if self.puller:
+            self.puller.version = version
+        self.prompts, self.partials, self.buffer = pools["prompts"], pools["partials"], pools["buffer"]
+        self.params = sampling_params(cfg)
+        self.lock = threading.Lock()
+        self.active: dict[str, tuple[GenerationRequest, PromptGroup]] = {}
+        self.token_versions: dict[str, list[int]] = {}
+        self.streamed: dict[str, int] = {}
+        self.env_wait: list[tuple[float, str, Trajectory]] = []  # heap by ready time
+        self.rng = np.random.default_rng(hash(worker_id) % 2**32)
+        self.stop_event = threading.Event()
+        self.hold = False  # set by export: do not start a new batch until the manager releases
+        self.counters = WorkerCounters(versions=[version])
+        self.last_renew = 0.0
+
+    # ------------------------------------------------------------------------- schedules
+
+    def generate_groups(self, num_groups: int) -> dict[str, Any]:
+        """Lease `num_groups` groups, generate them with the current weights, put them in the
+        buffer; returns when all are in (the global-batch schedules)."""
+        t0 = time.perf_counter()
+        groups = ray.get(self.prompts.lease.remote(self.id, num_groups), timeout=self._timeout)
+        self._start(groups)
+        while (self.active or self.env_wait) and not self.stop_event.is_set():
+            self._tick_or_idle()
+        return {"worker": self.id, "groups": len(groups), "seconds": time.perf_counter() - t0,
+                "version": self.engine.version}
+
+    def run_free(self, policy: str = "laminar") -> dict[str, Any]:
+        """Generate until `stop()`: pull and lease a new batch whenever the current one is done;
+        `partial` also swaps weights under in-flight trajectories."""
+        self.stop_event.clear()
+        while not self.stop_event.is_set():
+            if not self.active and not self.env_wait and not self.hold:
+                if not self._next_batch():
+                    self._idle(0.01)
+                    continue
+            if policy == "partial":
+                self._swap_in_flight()
+            self._tick_or_idle()
+        return self.snapshot()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    # ------------------------------------------------------------------------- weights
+
+    def pull_weights(self, at_least: int | None = None, timeout_s: float | None = None) -> int:
+        """Load the newest version at the local relay (waiting until it is >= `at_least`).
+        Returns the version the engine now holds."""
+        deadline = time.monotonic() + (timeout_s or self._timeout)
+        while True:
+            newest = self.puller.newest_version() if self.puller else None
+            if newest is not None and newest > self.engine.version and (at_least is None or newest >= at_least):
+                self._load_newest()
+                return self.engine.version
+            if at_least is None or self.engine.version >= at_least:
+                return self.engine.version
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout {self.id}: version {at_least} did not reach its "
+                                   f"local relay within {timeout_s or self._timeout:.0f}s (newest "
+                                   f"there: {newest}); is the relay chain alive?")
+            time.sleep(0.005)
+
+    def _load_newest(self) -> None:
+        t0 = time.perf_counter()
+        with self.lock:
+            version = self.puller.pull_latest(self.engine, newer_than=self.engine.version)
+        if version is not None:
+            self.counters.pulls += 1
+            self.counters.pull_s += time.perf_counter() - t0
+            self.counters.versions.append(version)
+
+    def _swap_in_flight(self) -> None:
+        newest = self.puller.newest_version() if self.puller else None
+        if newest is None or newest <= self.engine.version:
+            return
+        t0 = time.perf_counter()
+        with self.lock:
+            states = self.engine.abort(list(self.active))
+            version = self.puller.pull_latest(self.engine, newer_than=self.engine.version)
+            for state in states:
+                self.counters.reprefill_tokens += state.num_tokens
+                self.engine.add(state)
+        self.counters.swaps += 1
+        self.counters.pulls += version is not None
+        self.counters.pull_s += time.perf_counter() - t0
+        if version is not None:
+            self.counters.versions.append(version)
+
+    # ------------------------------------------------------------------------- manager side
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            stats = self.engine.stats()
+            return {"worker": self.id, "version": self.engine.version,
+                    "num_reqs": len(self.active), "num_env_wait": len(self.env_wait),
+                    "kv_used_tokens": stats.kv_used_tokens,
+                    "kv_capacity_tokens": stats.kv_capacity_tokens,
+                    "num_running": stats.num_running, "num_waiting": stats.num_waiting,
+                    "hold": self.hold, "counters": self.counters.__dict__.copy()}
+
+    def export(self) -> list[tuple[GenerationRequest, PromptGroup]]:
+        """Abort everything in flight and hand it over (repack source); the worker then holds
+        off its next batch until `release()`."""
+        with self.lock:
+            states = self.engine.abort(list(self.active))
+            moved = [(s, self.active.pop(s.request_id)[1]) for s in states]
+            for s, _ in moved:
+                self.streamed.pop(s.request_id, None)
+            self.hold = True
+            self.counters.exported += len(moved)
+        return moved
+
+    def adopt(self, moved: list[tuple[GenerationRequest, PromptGroup]],
+              token_versions: dict[str, list[int]] | None = None) -> bool:
+        """Continue trajectories from elsewhere (repack destination, failover). Refuses if any
+        was generated with a version other than the one this engine holds."""
+        with self.lock:
+            if any(s.version not in (-1, self.engine.version) for s, _ in moved):
+                return False
+            for state, group in moved:
+                state.finish_reason = None
+                self.engine.add(state)
+                self.active[state.request_id] = (state, group)
+                self.streamed[state.request_id] = len(state.output_ids)
+                self.token_versions[state.request_id] = list(
+                    (token_versions or {}).get(state.request_id, [state.version] * len(state.output_ids)))
+                self.counters.reprefill_tokens += state.num_tokens
+            self.counters.adopted += len(moved)
+        return True
+
+    def release(self) -> None:
+        self.hold = False
+
+    # ------------------------------------------------------------------------- the loop
+
+    @property
+    def _timeout(self) -> float:
+        return self.cfg.cluster.wait_timeout_s
+
+    def _next_batch(self) -> bool:
+        if self.puller is not None and (self.puller.newest_version() or -1) > self.engine.version:
+            self._load_newest()
+        groups = ray.get(self.prompts.lease.remote(self.id, self.cfg.rollout.batch_groups),
+                         timeout=self._timeout)
+        if not groups:
+            return False  # admission control said wait
+        self._start(groups)
+        self.counters.batches += 1
+        return True
+
+    def _start(self, groups: list[PromptGroup]) -> None:
+        registrations = []
+        with self.lock:
+            for group in groups:
+                requests = group_requests(group, self.params)
+                registrations.append((group, requests))
+                for req in requests:
+                    self.engine.add(req)
+                    self.active[req.request_id] = (req, group)
+                    self.streamed[req.request_id] = 0
+                    self.token_versions[req.request_id] = []
+        ray.get(self.partials.register_many.remote(self.id, registrations), timeout=self._timeout)
+
+    def _tick_or_idle(self) -> None:
+        if not self._tick():
+            self._idle(0.002)
+
+    def _idle(self, seconds: float) -> None:
+        time.sleep(seconds)
+        self.counters.idle_s += seconds
+        self._renew()
+
+    def _renew(self) -> None:
+        now = time.monotonic()
+        if now - self.last_renew > self.cfg.cluster.heartbeat_s:
+            self.prompts.renew.remote(self.id)
+            self.last_renew = now
+
+    def _tick(self) -> bool:
+        t0 = time.perf_counter()
+        finished: list[tuple[GenerationRequest, PromptGroup]] = []
+        updates: list[TokenUpdate] = []
+        with self.lock:
+            deltas = self.engine.step() if self.engine.has_unfinished() else []
+            version = self.engine.version
+            for d in deltas:
+                if d.request_id not in self.active:
+                    continue
+                self.token_versions[d.request_id].extend([version] * len(d.token_ids))
+                if d.finish_reason is not None:
+                    finished.append(self.active.pop(d.request_id))
+                    self.streamed.pop(d.request_id, None)
+            every = self.cfg.rollout.stream_every
+            for rid, (req, _) in self.active.items():
+                sent = self.streamed[rid]
+                if len(req.output_ids) - sent >= every:
+                    updates.append(TokenUpdate(rid, req.output_ids[sent:], req.logprobs[sent:],
+                                               version))
+                    self.streamed[rid] = len(req.output_ids)
+        if deltas:
+            self.counters.busy_s += time.perf_counter() - t0
+            self.counters.generated_tokens += sum(len(d.token_ids) for d in deltas)
+        if updates:
+            self.partials.update.remote(self.id, updates)
+        for req, group in finished:
+            self._finish(req, group)
+        flushed = self._flush_env()
+        self._renew()
+        return bool(deltas) or flushed
+
+    def _finish(self, req: GenerationRequest, group: PromptGroup) -> None:
+        scored = self.task.score(group.item, decode_response(self.tokenizer, req.output_ids))
+        self.counters.reward_errors += scored.error is not None
+        versions = self.token_versions.pop(req.request_id, [])
+        mixed = len(set(versions)) > 1
+        traj = Trajectory(traj_id=req.request_id, group_id=group.group_id, prompt_ids=req.prompt_ids,
+                          response_ids=req.output_ids, logprobs=req.logprobs,
+                          version=min(versions) if versions else req.version,
+                          reward=scored.reward, exact_match=scored.exact_match,
+                          finish_reason=req.finish_reason,
+                          token_versions=versions if mixed else None)
+        env = self.cfg.rollout.env_latency
+        delay = 0.0
+        if env.enabled:
+            delay = min(env.max_s, env.median_s * float(np.exp(env.sigma * self.rng.standard_normal())))
+        heapq.heappush(self.env_wait, (time.monotonic() + delay, traj.traj_id, traj))
+
+    def _flush_env(self) -> bool:
+        now = time.monotonic()
+        ready = []
+        while self.env_wait and self.env_wait[0][0] <= now:
+            ready.append(heapq.heappop(self.env_wait)[2])
+        if not ready:
+            return False
+        completed = ray.get(self.buffer.put_many.remote(ready), timeout=self._timeout)
+        self.partials.remove.remote([t.traj_id for t in ready])
+        for gid in completed:
+            self.prompts.complete.remote(gid)
+        self.counters.finished += len(ready)
+        return True

@@ -1,0 +1,149 @@
+"""The trainer as a service: sample the experience buffer, train, push to the master relay, go on.
+
+`TrainerWorker` is a plain class; the runtime makes it a threaded Ray actor. It never waits
+for rollouts, only for data: `train_once` takes one global batch of complete groups (FIFO),
+records each sample's staleness, runs the GRPO update, pushes the new version to the master
+relay (returning as soon as the master holds it) and logs one metrics row. `run` repeats that
+(laminar and partial modes); the global-batch schedules call `train_once` / `train_streaming`
+themselves, which is where their waits are.
+
+Throughput is the paper's: (prompt + response tokens of the global batch) / (time between two
+consecutive updates).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import ray
+import torch
+
+from laminar.config import Config
+from laminar.metrics import summarize
+from laminar.models import load_pretrained
+from laminar.trainer.trainer import Trainer
+from laminar.types import Trajectory
+
+
+class TrainerWorker:
+    def __init__(self, cfg: Config, model_dir: str, plan: dict[str, Any], secret: bytes,
+                 pools: dict[str, Any]) -> None:
+        from laminar.relay.client import Pusher
+        from laminar.relay.plan import ChainPlan
+
+        torch.set_num_threads(cfg.trainer.threads)
+        torch.manual_seed(cfg.trainer.seed)
+        self.cfg = cfg
+        model, self.tokenizer = load_pretrained(model_dir, cfg.model.attn_implementation)
+        self.trainer = Trainer(model, cfg.trainer, self.tokenizer.pad_token_id, cfg.rollout.temperature)
+        self.prompts, self.buffer = pools["prompts"], pools["buffer"]
+        if cfg.trainer.resume:
+            extra = self.trainer.load_checkpoint(cfg.trainer.resume)
+            ray.get(self.prompts.load_state_dict.remote(extra["prompts"]))
+        self.pusher = Pusher(ChainPlan.from_dict(plan), secret, cfg.relay)
+        self.history: list[dict[str, Any]] = []
+        self.last_update: float | None = None
+        self.idle_s = 0.0
+        self.stop_event = threading.Event()
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    def publish(self) -> float:
+        """Push the current weights to the master relay; returns the stall in seconds."""
+        result = self.pusher.push(self.trainer.named_weights(), self.trainer.version)
+        return result.seconds
+
+    def set_plan(self, plan: dict[str, Any]) -> None:
+        from laminar.relay.plan import ChainPlan
+
+        self.pusher.set_plan(ChainPlan.from_dict(plan))
+
+    # ------------------------------------------------------------------------- training
+
+    def wait_groups(self, num_groups: int) -> list[list[Trajectory]]:
+        """Block until the buffer releases `num_groups` complete groups (the trainer's only wait)."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.cfg.cluster.wait_timeout_s
+        while True:
+            groups = ray.get(self.buffer.sample.remote(num_groups, self.trainer.version),
+                             timeout=self.cfg.cluster.wait_timeout_s)
+            if groups is not None:
+                self.idle_s += time.perf_counter() - t0
+                self.prompts.mark_consumed.remote(len(groups))
+                return groups
+            if self.stop_event.is_set():
+                raise InterruptedError("trainer stopped while waiting for data")
+            if time.monotonic() > deadline:
+                counts = ray.get(self.buffer.counts.remote())
+                raise TimeoutError(
+                    f"trainer waited {self.cfg.cluster.wait_timeout_s:.0f}s for {num_groups} "
+                    f"complete groups; the experience buffer has {counts['ready_groups']} ready and "
+                    f"{counts['filling_groups']} filling: the rollouts are stuck or too slow "
+                    "(raise cluster.wait_timeout_s if they are just slow)")
+            time.sleep(0.005)
+
+    def train_once(self) -> dict[str, Any]:
+        """One global batch: wait for it, train on it, push the new version, log."""
+        groups = self.wait_groups(self.cfg.trainer.prompts_per_step)
+        return self._train_and_publish([t for g in groups for t in g])
+
+    def train_streaming(self) -> dict[str, Any]:
+        """Stream schedule: take each mini-batch as soon as its groups are complete, one
+        optimizer update each, and bump the version at the end of the global batch."""
+        per_mini = -(-self.cfg.trainer.prompts_per_step // self.cfg.trainer.mini_batches)
+        trajs: list[Trajectory] = []
+        taken = 0
+        while taken < self.cfg.trainer.prompts_per_step:
+            n = min(per_mini, self.cfg.trainer.prompts_per_step - taken)
+            trajs += [t for g in self.wait_groups(n) for t in g]
+            taken += n
+            self.trainer.train_minibatch(trajs[-n * self.cfg.rollout.group_size:])
+        return self._train_and_publish(trajs, already_trained=True)
+
+    def run(self, total_steps: int) -> int:
+        """laminar / partial: train until `total_steps` versions exist or `stop()`."""
+        self.stop_event.clear()
+        while self.trainer.version < total_steps and not self.stop_event.is_set():
+            try:
+                self.train_once()
+            except InterruptedError:
+                break
+        return self.trainer.version
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def _train_and_publish(self, trajs: list[Trajectory], already_trained: bool = False) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        if already_trained:
+            stats = self.trainer.finish_global_batch()
+        else:
+            stats = self.trainer.train_step(trajs)
+        stall = self.publish()
+        now = time.perf_counter()
+        summary = summarize(trajs)
+        interval = now - self.last_update if self.last_update is not None else None
+        self.last_update = now
+        row = {**summary, **stats, "version": self.trainer.version, "push_stall_s": stall,
+               "train_wall_s": now - t0, "update_interval_s": interval,
+               "throughput_tokens_per_s": summary["batch_tokens"] / interval if interval else None,
+               "trainer_idle_s": self.idle_s}
+        self.idle_s = 0.0
+        self.history.append(row)
+        every = self.cfg.trainer.checkpoint_every
+        if (every and self.trainer.version % every == 0) or self.trainer.version == self.cfg.trainer.total_steps:
+            self.checkpoint()
+        return row
+
+    def checkpoint(self) -> str:
+        path = self.cfg.resolved_run_dir / "checkpoints" / f"step_{self.trainer.version:06d}"
+        state = ray.get(self.prompts.state_dict.remote())
+        self.trainer.save_checkpoint(path, self.tokenizer, {"prompts": state})
+        return str(path)
+
+    def metrics_since(self, index: int) -> list[dict[str, Any]]:
+        return self.history[index:]
