@@ -1,0 +1,100 @@
+"""The one place where the simulator is calibrated: every constant not measured by the paper.
+
+`Calibration()` (the defaults) is what `laminar simulate` and docs/simulator.md use. Every
+field says where its value comes from. Nothing here is per model, per scale or per system
+beyond what the paper itself states (Table 2 allocations, App. A.2 parallelism, Table 3 batch
+sizes live in `paper.py`); the fitted physics (Fig. 4 decode roofline, Fig. 14 sync times,
+Fig. 18 chain constants) lives in `costs.py` and is fitted there from the paper's points.
+
+`Calibration.from_json` reads a file with any of these fields (unknown keys are an error),
+plus an optional `local` block describing a machine that is not the paper's testbed; see
+`local.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    # --- rollout engine in the RL setting -------------------------------------------------
+    step_overhead_ms: float = 10.0
+    """Fixed cost added to every decode step over Fig. 4's microbenchmark (scheduler, sampler
+    with log-probs, data streaming). Fitted with `seq_overhead_ms` to Fig. 9's replica
+    timeline (KV full at ~160 s, queue empty ~325 s, batch done ~675 s); see docs."""
+    seq_overhead_ms: float = 0.15
+    """Per running sequence per step on top of Fig. 4 (per-sequence sampling and log-prob
+    work). From the same Fig. 9 fit."""
+    gpu_mem_util: float = 0.8
+    """Fraction of GPU memory the rollout engine may use (vLLM's gpu_memory_utilization);
+    the rest of the Fig. 9 fit."""
+    activation_reserve_gb: float = 2.0
+    """Per-GPU memory kept for activations and CUDA graphs, outside the KV cache."""
+    prefill_mfu: float = 0.5
+    """Model FLOPs utilisation of prefill (compute-bound) and of re-prefill after a move."""
+    decode_quantum: int = 16
+    """Simulation granularity: minimum decode steps per replica segment (see replica.py).
+    1 is exact; 16 keeps the full grid within two minutes and moves results by < 1%."""
+
+    # --- trainer ----------------------------------------------------------------------------
+    trainer_mfu: float = 0.35
+    """Trainer model FLOPs utilisation (FSDP + Ulysses SP, long sequences). Chosen so that
+    the smallest-scale points, where Table 2 makes every system trainer-bound (e.g. 72B @ 64,
+    32B @ 32), land near the paper."""
+
+    # --- verl-based baselines (sync, one_step, stream) -------------------------------------
+    controller_us_per_token: float = 15.0
+    """Serial work per prompt+response token at the global barrier of the verl-based
+    baselines: the single controller gathers the batch, computes rule-based rewards and packs
+    mini-batches before the trainer can use them (pipelined with the trainer per mini-batch).
+    The paper's baselines plateau at ~60k tokens/s for every model size (one-step: 63.5k
+    7B, 63.8k 32B, 58.1k 72B), i.e. a per-token cost that more GPUs do not shrink. Laminar
+    and AReaL compute rewards per trajectory, off the critical path."""
+
+    # --- workload ---------------------------------------------------------------------------
+    group_corr: float = 0.5
+    """Share of log-length variance common to the 16 samples of one prompt (hard prompts
+    are long for every sample). The paper gives no number."""
+    prompt_median: float = 200.0
+    """Median prompt tokens (DAPO-Math prompts with the template; max 2K per §8.1)."""
+    prompt_sigma: float = 0.4
+
+    # --- laminar ----------------------------------------------------------------------------
+    inflight_batches: float = 1.0
+    """Laminar: trajectories a rollout leases per batch = this x global batch / replicas
+    (capped at 1024, §8.1), so about this many global batches are in flight. The paper's
+    staleness (mostly 1-2, max 4) implies about one."""
+    repack_c_max: float = 0.99  # §5.2, "e.g., above 99% of total KVCache"
+    repack_check_s: float = 5.0  # §5.1, "e.g., 5 seconds"
+    roofline_factor: float = 2.0
+    """Algorithm 1's B = batch where a step costs this x a batch-1 step (§5.2 gives no B)."""
+
+    # --- partial rollout (AReaL) --------------------------------------------------------
+    partial_staleness_bound: float = float("inf")  # η; ∞ in the paper's throughput runs
+    partial_inflight_batches: float = 0.5
+    """AReaL: trajectories generating at once across all rollouts (max_concurrent_rollouts)
+    = this x global batch, split evenly over replicas (each at most 1024)."""
+
+    def with_overrides(self, **kw: Any) -> Calibration:
+        return replace(self, **kw)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> tuple[Calibration, dict[str, Any] | None]:
+        """(calibration, local block or None) from a JSON file."""
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        local = data.pop("local", None)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown calibration keys {unknown}; "
+                             f"allowed: {sorted(known)} and 'local'")
+        return cls(**data), local

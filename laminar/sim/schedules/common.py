@@ -1,0 +1,108 @@
+"""Pieces the five simulated schedules share.
+
+- `generate`: a barrier schedule's batch — groups split into contiguous chunks, one per
+  replica (as verl splits a batch across data-parallel rollouts); every replica runs its
+  chunk to the end; returns the trajectories with their finish times.
+- `train_pipeline`: controller stage then trainer, mini-batch by mini-batch (verl-based).
+- `minibatches_by_completion`: a batch as mini-batches of whole groups, in completion order.
+- `GroupBuffer`: the experience buffer of the asynchronous schedules — trajectories arrive
+  one by one, complete GRPO groups leave FIFO in order of completion.
+- `Waker`: keeps one pending clock event per replica (stale ones are ignored by plan id).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from laminar.sim.core import Clock, Setup
+from laminar.sim.replica import Replica
+from laminar.sim.workload import Traj
+
+
+def generate(replicas: list[Replica], groups: list[list[Traj]], t0: float,
+             version: int) -> list[Traj]:
+    n, k = len(groups), len(replicas)
+    out: list[Traj] = []
+    for i, r in enumerate(replicas):
+        chunk = [tr for g in groups[i * n // k:(i + 1) * n // k] for tr in g]
+        for tr in chunk:
+            tr.version, tr.versions = version, 1
+        r.version = version
+        assert r.is_idle, f"replica {r.rid} still busy at a barrier"
+        r.add(t0, chunk)
+        while (t := r.next_time()) is not None:
+            for tr in r.advance_to(t):
+                tr.t_finished = t
+                out.append(tr)
+    return out
+
+
+def train_pipeline(setup: Setup, parts: list[tuple[float, list[Traj]]], controller_free: float,
+                   trainer_free: float, gpus: int | None = None) -> tuple[float, float, float]:
+    """The verl-based baselines' update: each mini-batch passes the single controller
+    (serial, `controller_s_per_token`) and then the trainer; the two stages pipeline.
+    parts = [(ready time, trajectories)]. Returns (controller free, trainer free, busy)."""
+    busy = 0.0
+    for ready, part in parts:
+        controller_free = max(controller_free, ready) + setup.controller_s_per_token * sum(
+            tr.prompt_len + tr.target for tr in part)
+        dt = setup.train_time(part, 1, gpus)
+        trainer_free = max(trainer_free, controller_free) + dt
+        busy += dt
+    return controller_free, trainer_free, busy
+
+
+def minibatches_by_completion(batch: list[Traj], n: int) -> list[tuple[float, list[Traj]]]:
+    """Split a batch into n mini-batches of whole groups in the order groups complete;
+    each with the time its last group completed (when streaming can train on it)."""
+    groups: dict[int, list[Traj]] = {}
+    for tr in batch:
+        groups.setdefault(tr.group, []).append(tr)
+    ordered = sorted(groups.values(), key=lambda g: (max(tr.t_finished for tr in g), g[0].group))
+    out = []
+    for i in range(n):
+        part = ordered[i * len(ordered) // n:(i + 1) * len(ordered) // n]
+        if part:
+            out.append((max(tr.t_finished for g in part for tr in g), [tr for g in part for tr in g]))
+    return out
+
+
+class GroupBuffer:
+    def __init__(self, samples: int) -> None:
+        self.samples = samples
+        self._partial: dict[int, list[Traj]] = {}
+        self.complete: deque[list[Traj]] = deque()
+
+    def put(self, tr: Traj) -> None:
+        members = self._partial.setdefault(tr.group, [])
+        members.append(tr)
+        if len(members) == self.samples:
+            self.complete.append(self._partial.pop(tr.group))
+
+    def take(self, n_groups: int) -> list[Traj] | None:
+        if len(self.complete) < n_groups:
+            return None
+        return [tr for _ in range(n_groups) for tr in self.complete.popleft()]
+
+    def finished(self) -> list[Traj]:
+        """Every finished trajectory not yet taken (complete groups and partial ones)."""
+        return ([tr for g in self.complete for tr in g]
+                + [tr for g in self._partial.values() for tr in g])
+
+
+class Waker:
+    """Schedules `on_event(replica, t)` at each replica's next segment end."""
+
+    def __init__(self, clock: Clock, on_event: Callable[[Replica, float], None]) -> None:
+        self.clock = clock
+        self.on_event = on_event
+
+    def wake(self, r: Replica) -> None:
+        t = r.next_time()
+        if t is not None:
+            self.clock.at(t, self._fire, r, r.plan_id)
+
+    def _fire(self, r: Replica, plan_id: int) -> None:
+        if r.plan_id == plan_id:
+            self.on_event(r, self.clock.now)

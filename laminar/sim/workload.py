@@ -1,0 +1,117 @@
+"""The RL workload: prompt groups with response lengths drawn from the paper's Fig. 17.
+
+Parts:
+- `LengthDistribution`: inverse CDF through the digitised quantiles (p50, p90, p99, max),
+  interpolated linearly in (normal z-score, log length) — a log-normal between neighbouring
+  points — and extended below p50 with the p50-p90 slope; clipped to [min_len, max_len].
+- `Traj`: one trajectory to generate (lengths known to the simulator, not to the schedules).
+- `Workload`: draws prompt groups deterministically from a seed. The 16 samples of a prompt
+  share a per-prompt difficulty: z = sqrt(rho) z_prompt + sqrt(1 - rho) z_sample, which keeps
+  the marginal distribution exactly Fig. 17's while making hard prompts long together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from statistics import NormalDist
+
+import numpy as np
+
+_Z = NormalDist().inv_cdf
+_Q_MAX = 0.9999  # the quantile we place a curve's "max" at
+
+
+@dataclass(frozen=True, slots=True)
+class LengthDistribution:
+    quantiles: tuple[tuple[float, float], ...]  # (probability, tokens), increasing
+    min_len: int = 16
+    max_len: int = 16384
+
+    @classmethod
+    def from_points(cls, points: dict[float, float], min_len: int = 16,
+                    max_len: int = 16384) -> LengthDistribution:
+        pts = sorted((min(q, _Q_MAX), v) for q, v in points.items())
+        if len(pts) < 2 or any(b[1] < a[1] for a, b in zip(pts, pts[1:])):
+            raise ValueError(f"length quantiles {points} must be >= 2 increasing points")
+        return cls(tuple(pts), min_len, max_len)
+
+    def from_z(self, z: np.ndarray) -> np.ndarray:
+        zs = np.array([_Z(q) for q, _ in self.quantiles])
+        logs = np.log([v for _, v in self.quantiles])
+        out = np.interp(z, zs, logs)
+        lo = z < zs[0]  # below the first point: extend the first segment's slope
+        slope = (logs[1] - logs[0]) / (zs[1] - zs[0])
+        out[lo] = logs[0] + (z[lo] - zs[0]) * slope
+        return np.clip(np.rint(np.exp(out)), self.min_len, self.max_len).astype(np.int64)
+
+    def quantile(self, q: float) -> int:
+        return int(self.from_z(np.array([_Z(q)]))[0])
+
+
+@dataclass(slots=True)
+class Traj:
+    traj_id: int
+    group: int
+    prompt_len: int
+    target: int  # response tokens it will generate in total
+    done: int = 0  # response tokens generated so far
+    version: int = -1  # weight version of its first token (partial: of its latest segment)
+    versions: int = 0  # distinct weight versions that generated it (partial mixes them)
+    t_created: float = 0.0
+    t_finished: float = -1.0
+    # Simulator bookkeeping while on a replica (see replica.py).
+    finish_step: int = 0
+    admit_step: int = 0
+    admit_done: int = 0
+    state: int = 0  # 0 waiting, 1 running, 2 finished, 3 removed
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_len + self.target
+
+
+@dataclass(slots=True)
+class Workload:
+    lengths: LengthDistribution
+    samples: int = 16  # GRPO group size
+    group_corr: float = 0.5  # rho: share of log-length variance common to a prompt's samples
+    prompt_median: float = 200.0
+    prompt_sigma: float = 0.4
+    max_prompt: int = 2048
+    tool_calls: tuple[int, float, float] | None = None  # (max calls, median s, sigma)
+    seed: int = 0
+    _rng: np.random.Generator = field(init=False, repr=False)
+    _next_group: int = field(default=0, init=False)
+    _next_traj: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.group_corr <= 1.0:
+            raise ValueError(f"group_corr={self.group_corr}: must be in [0, 1]")
+        self._rng = np.random.default_rng(self.seed)
+
+    def groups(self, n: int, now: float = 0.0) -> list[list[Traj]]:
+        """n new prompt groups of `samples` trajectories each."""
+        rng, s = self._rng, self.samples
+        z = (math.sqrt(self.group_corr) * rng.standard_normal((n, 1))
+             + math.sqrt(1.0 - self.group_corr) * rng.standard_normal((n, s)))
+        targets = self.lengths.from_z(z.ravel()).reshape(n, s)
+        prompts = np.clip(np.rint(self.prompt_median * np.exp(
+            self.prompt_sigma * rng.standard_normal(n))), 8, self.max_prompt).astype(np.int64)
+        out = []
+        for g in range(n):
+            gid = self._next_group
+            self._next_group += 1
+            members = []
+            for k in range(s):
+                members.append(Traj(self._next_traj, gid, int(prompts[g]), int(targets[g, k]),
+                                    t_created=now))
+                self._next_traj += 1
+            out.append(members)
+        return out
+
+    def tool_latencies(self, n: int) -> np.ndarray:
+        """Seconds of n tool calls (log-normal), for the optional agentic workload."""
+        assert self.tool_calls is not None
+        _, median, sigma = self.tool_calls
+        return median * np.exp(sigma * self._rng.standard_normal(n))
