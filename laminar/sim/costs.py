@@ -82,8 +82,11 @@ class DecodeCurve:
             return int(dt / s0)
         # a n^2 + (s0 - a) n - dt = 0
         n = int((-(s0 - a) + math.sqrt((s0 - a) ** 2 + 4 * a * dt)) / (2 * a))
-        while n > 0 and self.steps_s(b, kv, n) > dt:
+        tol = dt * 1e-12  # the closed form and a sum of steps may differ in the last bit
+        while n > 0 and self.steps_s(b, kv, n) > dt + tol:
             n -= 1
+        while self.steps_s(b, kv, n + 1) <= dt + tol:
+            n += 1
         return n
 
 

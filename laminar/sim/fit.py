@@ -27,7 +27,7 @@ SHARED = dict(step_overhead_ms=(0.0, 3.0, 6.0), seq_overhead_ms=(0.0, 0.04, 0.08
               trainer_mfu=(0.3, 0.35, 0.4))
 CONTROLLER = (12.0, 14.0, 16.0)
 LAMINAR_INFLIGHT = (1.0, 1.5, 2.0)
-PARTIAL_INFLIGHT = (0.25, 0.5, 1.0)
+PARTIAL_INFLIGHT = (0.125, 0.25, 0.5)
 BARRIER_MODES = ("sync", "one_step", "stream")
 
 

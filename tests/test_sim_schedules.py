@@ -1,0 +1,131 @@
+"""The five simulated schedules: closed-form toys, determinism, conservation, repack."""
+
+from __future__ import annotations
+
+import pytest
+
+from laminar.sim import paper
+from laminar.sim.calibration import Calibration
+from laminar.sim.local import local_setup
+from laminar.sim.run import simulate
+from laminar.sim.schedules import SCHEDULES
+from laminar.sim.schedules import laminar as laminar_schedule
+
+STEP_MS = 10.0  # every decode step costs 10 ms, whatever the batch
+LEN, PROMPT = 50, 10  # every response 50 tokens, every prompt 10
+PROMPTS, SAMPLES = 8, 4  # global batch: 8 groups of 4 = 32 trajectories
+TOKENS = PROMPTS * SAMPLES * (PROMPT + LEN)  # 1920 per global batch
+GEN_S = LEN * STEP_MS / 1e3  # 0.5 s: a batch decodes in lockstep
+
+
+def toy(mode: str, **kw) -> object:
+    """A setup whose answer is known by hand: flat decode curve, huge KV, free prefill,
+    constant lengths, trainer time = s_per_token * tokens + per-step overhead."""
+    local = dict(decode_latency_ms_by_batch={1: STEP_MS, 64: STEP_MS}, kv_capacity_tokens=10**9,
+                 max_running=10**6, prefill_ms_per_token=0.0, trainer_s_per_token=1e-4,
+                 trainer_step_overhead_s=0.0, lengths={0.5: LEN, 0.9: LEN, 1.0: LEN},
+                 prompt_median=PROMPT, prompt_sigma=0.0, rollout_workers=4, prompts=PROMPTS,
+                 samples=SAMPLES, minibatches=1, sync_s=0.0, push_s=0.0, broadcast_s=0.0,
+                 pull_s=0.0)
+    local.update(kw)
+    cal = Calibration(inflight_batches=1.0, partial_inflight_batches=1.0)
+    return local_setup(mode, local, cal)
+
+
+def period(mode: str, **kw) -> float:
+    return TOKENS / SCHEDULES[mode](toy(mode, **kw), 2, 3).throughput
+
+
+def test_sync_is_generation_plus_training_plus_sync():
+    train = TOKENS * 1e-4  # 0.192 s
+    assert period("sync", sync_s=0.05) == pytest.approx(GEN_S + train + 0.05)
+
+
+def test_sync_controller_is_serial_work_before_the_trainer():
+    # 4 mini-batches; the controller (1e-4 s/token) is as slow as the trainer, so only the
+    # last mini-batch's training is not hidden behind it.
+    p = period("sync", controller_s_per_token=1e-4, minibatches=4)
+    assert p == pytest.approx(GEN_S + TOKENS * 1e-4 + TOKENS * 1e-4 / 4)
+
+
+@pytest.mark.parametrize("mode", ["one_step", "stream"])
+def test_one_step_and_stream_overlap_generation_with_training(mode):
+    # Generation-bound: the trainer (0.192 s) hides behind generation (0.5 s).
+    assert period(mode) == pytest.approx(GEN_S)
+    # Trainer-bound (s_per_token 5e-4 -> 0.96 s): generation hides behind training.
+    assert period(mode, trainer_s_per_token=5e-4) == pytest.approx(TOKENS * 5e-4)
+
+
+def test_stream_hides_the_weight_sync_when_the_trainer_is_the_bottleneck():
+    """Trainer-bound with a 0.1 s sync: one_step's trainer waits at every barrier for the
+    sync; stream's trainer keeps consuming mini-batches, so the sync is off its path."""
+    kw = dict(trainer_s_per_token=5e-4, sync_s=0.1)
+    assert period("one_step", **kw) == pytest.approx(TOKENS * 5e-4 + 0.1)
+    assert period("stream", **kw) == pytest.approx(TOKENS * 5e-4)
+
+
+@pytest.mark.parametrize("mode", ["laminar", "partial"])
+def test_asynchronous_modes_are_trainer_bound_when_rollouts_are_fast(mode):
+    # Training 0.96 s per batch, generation 0.5 s: the trainer never waits after warm-up.
+    assert period(mode, trainer_s_per_token=5e-4) == pytest.approx(TOKENS * 5e-4, rel=1e-6)
+
+
+def test_laminar_trainer_pays_only_the_push_stall():
+    assert period("laminar", trainer_s_per_token=5e-4, push_s=0.05) == pytest.approx(
+        TOKENS * 5e-4 + 0.05)
+
+
+def test_laminar_rollout_bound_rate_is_replicas_times_batch_over_batch_time():
+    # 4 rollouts lease 2 groups each = one global batch per 0.5 s; training (0.192 s) hides.
+    assert period("laminar") == pytest.approx(GEN_S)
+
+
+def test_partial_rollout_pays_a_swap_on_every_update():
+    """Rollout-bound partial rollout: each update interrupts everyone for the sync, so the
+    period exceeds the pure generation time; laminar has no such global pause."""
+    assert period("partial", sync_s=0.1) > GEN_S + 0.05
+    assert period("laminar", sync_s=0.1) == pytest.approx(GEN_S)
+
+
+@pytest.mark.parametrize("mode", paper.MODES)
+def test_same_seed_same_result_other_seed_differs(mode):
+    cal = Calibration(decode_quantum=64)
+    a = simulate(mode, "72b", 64, cal, seed=1, warmup=1, measure=1).as_dict()
+    b = simulate(mode, "72b", 64, cal, seed=1, warmup=1, measure=1).as_dict()
+    c = simulate(mode, "72b", 64, cal, seed=2, warmup=1, measure=1).as_dict()
+    assert a == b
+    assert a["throughput"] != c["throughput"]
+
+
+@pytest.mark.parametrize("mode", paper.MODES)
+def test_tokens_are_conserved(mode):
+    """Every decoded token is trained, buffered, still in flight, or discarded — once."""
+    r = simulate(mode, "72b", 64, Calibration(decode_quantum=64), warmup=1, measure=1)
+    t = r.tokens
+    assert t["generated"] == t["trained"] + t["buffered"] + t["in_flight"] + t["discarded"]
+    assert t["trained"] > 0
+
+
+def test_repack_moves_tails_within_a_version_and_never_mixes_versions():
+    cal = Calibration(decode_quantum=16)
+    from laminar.sim.core import paper_setup
+
+    on = laminar_schedule.run(paper_setup("laminar", "32b", 128, cal), 1, 2, repack=True)
+    off = laminar_schedule.run(paper_setup("laminar", "32b", 128, cal), 1, 2, repack=False)
+    assert on.repacks > 0 and on.moved_trajs >= on.repacks
+    assert off.repacks == 0
+    assert on.mixed_version_trajs == 0  # a trajectory keeps its one version when it moves
+    assert min(on.staleness) >= 0
+
+
+def test_partial_rollout_mixes_versions_and_the_others_do_not():
+    cal = Calibration(decode_quantum=64)
+    # With eta = 1 the backlog stays short, so interrupted trajectories reach the trainer.
+    r = simulate("partial", "72b", 64, cal.with_overrides(partial_staleness_bound=1.0),
+                 warmup=1, measure=2)
+    assert r.mixed_version_trajs > 0
+    assert max(r.staleness) <= 2  # eta = 1 bounds how late a leased group is consumed
+    for mode in ("sync", "one_step", "stream"):
+        r = simulate(mode, "72b", 64, cal, warmup=1, measure=1)
+        assert r.mixed_version_trajs == 0
+        assert max(r.staleness) <= (0 if mode == "sync" else 1)
