@@ -75,7 +75,7 @@ class TaskConfig(Section):
 
 class EngineConfig(Section):
     backend: Literal["hf", "native"] = Field(
-        "hf", description="`hf`: static batches on transformers.generate. `native`: laminar's "
+        "native", description="`hf`: static batches on transformers.generate. `native`: laminar's "
         "continuous-batching engine.")
     max_batch_size: int = Field(64, ge=1, description="Most sequences decoded together.")
     kv_capacity_tokens: int = Field(
@@ -95,6 +95,11 @@ class RolloutConfig(Section):
     num_workers: int = Field(1, ge=1, description="Rollout workers (each owns one engine).")
     batch_groups: int = Field(8, ge=1, description="Prompt groups one rollout leases as its batch "
                               "(laminar/partial modes); it pulls new weights when the batch is done.")
+    max_outstanding_batches: int = Field(
+        2, ge=1, description="Admission control of the free-running modes (laminar, partial): "
+        "rollouts lease new prompts only while fewer than this many global batches of groups are "
+        "leased or waiting in the buffer untrained. Paces rollouts that outrun the trainer, so "
+        "staleness stays low without discarding anything (partial mode: AReaL's eta + 1).")
     stream_every: int = Field(16, ge=1, description="Stream each trajectory's new tokens to the "
                               "partial response pool every this many tokens.")
     threads: int = Field(1, ge=1, description="torch threads per rollout worker.")
@@ -109,6 +114,9 @@ class RolloutConfig(Section):
 
 
 class ClusterConfig(Section):
+    backend: Literal["ray", "local"] = Field(
+        "ray", description="`ray`: every component an actor (the real system). `local`: the sync "
+        "schedule in one process without Ray, for debugging a task or reward.")
     address: str | None = Field(None, description="Ray cluster to join (e.g. ray://head:10001 or "
                                 "auto); unset = start an embedded local cluster.")
     virtual_nodes: int = Field(1, ge=1, description="On one machine: split the rollout workers "
@@ -150,8 +158,6 @@ class TrainerConfig(Section):
     resume: str | None = Field(None, description="Checkpoint directory to resume from.")
     max_staleness: int | None = Field(None, ge=0, description="Drop (and count) groups staler "
                                       "than this at sampling time; unset = no bound.")
-    partial_eta: int = Field(1, ge=0, description="`partial` mode: at most (eta + 1) global "
-                             "batches of prompts may be outstanding (AReaL's admission control).")
     seed: int = Field(0, description="Seed of the trainer and the sampling RNG.")
 
 
@@ -226,6 +232,13 @@ class Config(Section):
             raise ValueError(f"rollout.max_new_tokens={self.rollout.max_new_tokens} cannot hold the "
                              f"longest reverse answer (task.reverse.max_len={rev.max_len} + EOS); "
                              f"set rollout.max_new_tokens >= {rev.max_len + 1}")
+        if self.cluster.backend == "local" and self.mode != "sync":
+            raise ValueError(f"cluster.backend=local runs only mode=sync (got mode={self.mode}); "
+                             "use cluster.backend=ray for the asynchronous schedules")
+        if self.cluster.backend == "ray" and self.rollout.engine.backend == "hf":
+            raise ValueError("rollout.engine.backend=hf runs only with cluster.backend=local: the "
+                             "runtime's rollouts stream, abort and resume, which needs the native "
+                             "engine (rollout.engine.backend=native)")
         if self.cluster.virtual_nodes > self.rollout.num_workers:
             raise ValueError(f"cluster.virtual_nodes={self.cluster.virtual_nodes} exceeds "
                              f"rollout.num_workers={self.rollout.num_workers}; every virtual node "

@@ -52,7 +52,8 @@ class MetricsLogger:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.console:
-            cols = [f"{name} {metrics[key]:{fmt}}" for name, key, fmt in CONSOLE if key in metrics]
+            cols = [f"{name} {metrics[key]:{fmt}}" for name, key, fmt in CONSOLE
+                    if metrics.get(key) is not None]
             print(f"step {step:>4}/{self.total_steps} | " + " | ".join(cols), flush=True)
 
 

@@ -6,6 +6,7 @@ given a seed, and its position is part of every checkpoint so a resumed run sees
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -72,10 +73,11 @@ class PromptPool:
         """Groups handed out (or due to be) that the trainer has not consumed yet."""
         return len(self.leases) + len(self.returned) + len(self.completed) - self.consumed
 
-    def lease(self, owner: str, n: int, now: float) -> list[PromptGroup]:
+    def lease(self, owner: str, n: int, now: float | None = None) -> list[PromptGroup]:
         """Up to `n` groups; fewer (possibly none) when admission control holds back."""
         if self.max_outstanding is not None:
             n = min(n, len(self.returned) + max(0, self.max_outstanding - self.outstanding()))
+        now = time.monotonic() if now is None else now
         groups = []
         for _ in range(n):
             group = self.returned.pop(0) if self.returned else self.sampler.next_group()
@@ -83,14 +85,16 @@ class PromptPool:
             groups.append(group)
         return groups
 
-    def renew(self, owner: str, now: float) -> None:
+    def renew(self, owner: str, now: float | None = None) -> None:
         """An owner's heartbeat: push its deadlines out."""
+        now = time.monotonic() if now is None else now
         for gid, (group, who, _) in self.leases.items():
             if who == owner:
                 self.leases[gid] = (group, who, now + self.lease_timeout_s)
 
-    def transfer(self, group_ids: list[str], owner: str, now: float) -> None:
+    def transfer(self, group_ids: list[str], owner: str, now: float | None = None) -> None:
         """Hand leases to another owner (their trajectories moved there)."""
+        now = time.monotonic() if now is None else now
         for gid in group_ids:
             if gid in self.leases:
                 self.leases[gid] = (self.leases[gid][0], owner, now + self.lease_timeout_s)
@@ -110,8 +114,9 @@ class PromptPool:
             self.returned.append(self.leases.pop(gid)[0])
         return back
 
-    def expired_owners(self, now: float) -> set[str]:
+    def expired_owners(self, now: float | None = None) -> set[str]:
         """Owners with a lease past its deadline (they stopped renewing: presumed dead)."""
+        now = time.monotonic() if now is None else now
         return {who for _, who, deadline in self.leases.values() if deadline < now}
 
     def mark_consumed(self, n: int) -> None:

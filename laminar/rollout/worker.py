@@ -106,7 +106,7 @@ class RolloutWorker:
         while not self.stop_event.is_set():
             if not self.active and not self.env_wait and not self.hold:
                 if not self._next_batch():
-                    self._idle(0.01)
+                    self._idle(0.02)
                     continue
             if policy == "partial":
                 self._swap_in_flight()

@@ -1,4 +1,4 @@
-"""The synchronous loop end to end on the tiny model, and exact resume from a checkpoint."""
+"""The one-process sync loop end to end on the tiny model, and exact resume from a checkpoint."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 from laminar.config import load_config
 from laminar.metrics import read_metrics
-from laminar.modes.sync import run
+from laminar.modes.local_sync import run
 
-SMALL = ["sft.enabled=false", "task.reverse.max_len=8", "rollout.max_new_tokens=9",
+SMALL = ["cluster.backend=local", "sft.enabled=false", "task.reverse.max_len=8", "rollout.max_new_tokens=9",
          "rollout.group_size=4", "trainer.prompts_per_step=4", "task.eval_prompts=8",
          "trainer.threads=1", "trainer.lr=1e-3"]
 

@@ -1,0 +1,112 @@
+"""What every Ray-based schedule's driver shares: the starting weights, following the trainer,
+per-step metrics that join trainer and rollout numbers, and the final accounting."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from laminar.config import Config
+from laminar.metrics import MetricsLogger, read_metrics, reward_trend
+from laminar.runtime import Runtime
+
+
+def start_weights(cfg: Config) -> tuple[str, int]:
+    """(model directory every actor loads, its version)."""
+    if cfg.trainer.resume:
+        state = json.loads((Path(cfg.trainer.resume) / "trainer_state.json").read_text())
+        return str(Path(cfg.trainer.resume) / "model"), int(state["version"])
+    if cfg.model.path:
+        return cfg.model.path, 0
+    from laminar.models import load_policy, save_pretrained
+
+    if cfg.sft.enabled:
+        from laminar.trainer.sft import run_sft
+
+        return str(run_sft(cfg)), 0
+    path = cfg.resolved_run_dir / "initial_model"
+    save_pretrained(*load_policy(cfg.model), path)
+    return str(path), 0
+
+
+class Follower:
+    """Turns trainer rows into metrics.jsonl lines, adding what the rollouts did meanwhile:
+    generation tokens/s, rollout idle fraction, KV utilisation, pulls, repacks."""
+
+    def __init__(self, rt: Runtime, cfg: Config) -> None:
+        self.rt, self.cfg = rt, cfg
+        self.logger = MetricsLogger(cfg.resolved_run_dir, cfg.trainer.total_steps,
+                                    fresh=not cfg.trainer.resume)
+        self.seen = 0
+        self.last_t = time.monotonic()
+        self.last_counters: dict[str, dict[str, Any]] = {}
+        self.kv_samples: list[float] = []
+
+    def poll(self) -> int:
+        """Log the trainer rows that arrived since the last poll; returns how many."""
+        rows = ray.get(self.rt.trainer.metrics_since.remote(self.seen), timeout=60)
+        snaps = self.rt.worker_snapshots()
+        self.kv_samples += [s["kv_used_tokens"] / s["kv_capacity_tokens"] for s in snaps.values()
+                            if s["num_reqs"]]
+        if not rows:
+            return 0
+        now = time.monotonic()
+        wall, self.last_t = now - self.last_t, now
+        gen, idle, pulls, pull_s = 0, 0.0, 0, 0.0
+        for w, s in snaps.items():
+            c, prev = s["counters"], self.last_counters.get(w)
+            if prev is not None:
+                gen += c["generated_tokens"] - prev["generated_tokens"]
+                idle += c["idle_s"] - prev["idle_s"]
+                pulls += c["pulls"] - prev["pulls"]
+                pull_s += c["pull_s"] - prev["pull_s"]
+            self.last_counters[w] = c
+        manager = ray.get(self.rt.manager.stats.remote(), timeout=60)
+        extra = {
+            "gen_tokens_per_s": gen / wall if wall > 0 else None,
+            "rollout_idle_frac": idle / (wall * max(1, len(snaps))) if wall > 0 else None,
+            "kv_util_mean": float(np.mean(self.kv_samples)) if self.kv_samples else 0.0,
+            "pulls": pulls, "pull_latency_s": pull_s / pulls if pulls else None,
+            "repacks": manager["repacks"], "moved_trajectories": manager["moved_trajectories"],
+        }
+        self.kv_samples = []
+        for row in rows:
+            row = {**row, **extra}
+            step_s = row.get("update_interval_s")
+            row["trainer_idle_frac"] = row["trainer_idle_s"] / step_s if step_s else None
+            self.logger.log(row["version"], row)
+        self.seen += len(rows)
+        return len(rows)
+
+    def follow(self, ref: Any, poll_s: float = 0.5) -> Any:
+        """Log rows until `ref` (the trainer's long call) finishes; returns its value."""
+        while True:
+            ready, _ = ray.wait([ref], timeout=poll_s)
+            self.poll()
+            if ready:
+                self.poll()
+                return ray.get(ref)
+
+
+def finish(rt: Runtime, cfg: Config, running: list[Any]) -> dict[str, Any]:
+    """Stop free-running loops and report where every leased prompt group ended up."""
+    for w in rt.workers.values():
+        w.stop.remote()
+    rt.manager.stop.remote()
+    rt.wait({f"loop {i}": ref for i, ref in enumerate(running)})
+    accounting = ray.get(rt.pools["prompts"].accounting.remote())
+    buffer = ray.get(rt.pools["buffer"].counts.remote())
+    manager = ray.get(rt.manager.stats.remote())
+    first, last = reward_trend(read_metrics(cfg.resolved_run_dir))
+    report = {"prompts": accounting, "buffer": buffer, "manager": manager,
+              "reward_first": first, "reward_last": last}
+    (cfg.resolved_run_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    print(f"done: mean training reward {first:.3f} (first steps) -> {last:.3f} (last steps); "
+          f"groups trained {accounting['consumed']}, repacks {manager['repacks']} "
+          f"({cfg.resolved_run_dir})")
+    return report
