@@ -33,6 +33,13 @@ def summarize(trajs: list[Trajectory]) -> dict[str, Any]:
     }
 
 
+def set_aside(path: Path) -> None:
+    """Move an earlier run's file out of the way (name.<time>.jsonl) instead of mixing runs."""
+    if path.exists():
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+        path.rename(path.with_name(f"{path.stem}.{stamp}{path.suffix}"))
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, total_steps: int, console: bool = True,
                  fresh: bool = True) -> None:
@@ -40,9 +47,8 @@ class MetricsLogger:
         as metrics.<time>.jsonl rather than mixed in (a resumed run appends instead)."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if fresh and self.path.exists():
-            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.path.stat().st_mtime))
-            self.path.rename(self.path.with_name(f"metrics.{stamp}.jsonl"))
+        if fresh:
+            set_aside(self.path)
         self.total_steps = total_steps
         self.console = console
         self.t0 = time.time()

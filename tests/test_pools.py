@@ -40,7 +40,7 @@ def test_dead_owner_leases_return_first_and_accounting_holds():
     assert again[0].group_id == a[0].group_id  # re-issued before fresh prompts
     assert again[1].group_id not in {g.group_id for g in a + b}
     acct = pool.accounting()
-    assert acct == {"leased": 3, "returned": 0, "completed": 1, "consumed": 0}  # a[1], again[*]
+    assert acct == {"issued": 4, "leased": 3, "returned": 0, "completed": 1, "consumed": 0}
 
 
 def test_admission_control_bounds_outstanding_groups():

@@ -57,7 +57,7 @@ class PromptPool:
     front of the queue, so nothing leased is ever lost.
 
     Accounting invariant: every group handed out is in exactly one of `leases` (in flight),
-    `returned` (pending re-issue) or `completed` — see `accounting()`."""
+    `returned` (pending re-issue) or `completed`: issued = leased + returned + completed."""
 
     def __init__(self, sampler: PromptSampler, lease_timeout_s: float = 600.0,
                  max_outstanding: int | None = None) -> None:
@@ -65,6 +65,7 @@ class PromptPool:
         self.lease_timeout_s = lease_timeout_s
         self.max_outstanding = max_outstanding  # admission control: groups not yet trained
         self.consumed = 0  # groups the trainer has taken
+        self.issued = 0  # distinct groups ever handed out (re-issues not counted)
         self.leases: dict[str, tuple[PromptGroup, str, float]] = {}  # group id -> (group, owner, deadline)
         self.returned: list[PromptGroup] = []  # groups of dead owners, issued again first
         self.completed: list[str] = []
@@ -80,7 +81,11 @@ class PromptPool:
         now = time.monotonic() if now is None else now
         groups = []
         for _ in range(n):
-            group = self.returned.pop(0) if self.returned else self.sampler.next_group()
+            if self.returned:
+                group = self.returned.pop(0)
+            else:
+                group = self.sampler.next_group()
+                self.issued += 1
             self.leases[group.group_id] = (group, owner, now + self.lease_timeout_s)
             groups.append(group)
         return groups
@@ -123,7 +128,7 @@ class PromptPool:
         self.consumed += n
 
     def accounting(self) -> dict[str, int]:
-        return {"leased": len(self.leases), "returned": len(self.returned),
+        return {"issued": self.issued, "leased": len(self.leases), "returned": len(self.returned),
                 "completed": len(self.completed), "consumed": self.consumed}
 
     def state_dict(self) -> dict:

@@ -13,6 +13,7 @@ consecutive updates).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -21,7 +22,7 @@ import ray
 import torch
 
 from laminar.config import Config
-from laminar.metrics import summarize
+from laminar.metrics import set_aside, summarize
 from laminar.models import load_pretrained
 from laminar.trainer.trainer import Trainer
 from laminar.types import Trajectory
@@ -43,6 +44,8 @@ class TrainerWorker:
             extra = self.trainer.load_checkpoint(cfg.trainer.resume)
             ray.get(self.prompts.load_state_dict.remote(extra["prompts"]))
         self.pusher = Pusher(ChainPlan.from_dict(plan), secret, cfg.relay)
+        if not cfg.trainer.resume:
+            set_aside(cfg.resolved_run_dir / "trajectories.jsonl")
         self.history: list[dict[str, Any]] = []
         self.last_update: float | None = None
         self.idle_s = 0.0
@@ -126,6 +129,7 @@ class TrainerWorker:
         stall = self.publish()
         now = time.perf_counter()
         summary = summarize(trajs)
+        self._record(trajs)
         interval = now - self.last_update if self.last_update is not None else None
         self.last_update = now
         row = {**summary, **stats, "version": self.trainer.version, "push_stall_s": stall,
@@ -138,6 +142,19 @@ class TrainerWorker:
         if (every and self.trainer.version % every == 0) or self.trainer.version == self.cfg.trainer.total_steps:
             self.checkpoint()
         return row
+
+    def _record(self, trajs: list[Trajectory]) -> None:
+        """Append what was trained to RUN_DIR/trajectories.jsonl: the audit trail of versions
+        and staleness (one line per trajectory)."""
+        path = self.cfg.resolved_run_dir / "trajectories.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            for t in trajs:
+                f.write(json.dumps({
+                    "traj_id": t.traj_id, "group_id": t.group_id, "version": t.version,
+                    "trained_at": self.trainer.version - 1, "staleness": t.staleness,
+                    "token_versions": sorted(set(t.token_versions)) if t.token_versions else None,
+                    "reward": round(t.reward, 4), "response_len": len(t.response_ids)}) + "\n")
 
     def checkpoint(self) -> str:
         path = self.cfg.resolved_run_dir / "checkpoints" / f"step_{self.trainer.version:06d}"
