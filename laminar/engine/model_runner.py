@@ -127,34 +127,59 @@ class ModelRunner:
             slots = torch.tensor(list(range(n)) + [n + j for j, n_ in enumerate(lengths)
                                                    for _ in range(n_)], device=dev)
             last = torch.tensor(_prefill_last_index(n, lengths), device=dev)
-        attn = _AttentionPlan.build(n, decode_positions, lengths, width, dev)
+        attn = _AttentionPlan.build(n, decode_positions, lengths, width, self.num_kv_heads,
+                                    self.dtype, dev)
 
         cos = cos_table[pos][:, None, :]  # [T, 1, head_dim], broadcast over heads
         sin = sin_table[pos][:, None, :]
         half = self.head_dim // 2
         x = F.embedding(ids, self.embed)  # [T, hidden]
-        num_tokens = x.shape[0]
+        num_tokens, final = x.shape[0], len(self.layers) - 1
         for index, w in enumerate(self.layers):
             h = _rms_norm(x, w.ln1, self.eps)
-            q = F.linear(h, w.q, w.q_bias).view(num_tokens, self.num_heads, self.head_dim)
             k = F.linear(h, w.k, w.k_bias).view(num_tokens, self.num_kv_heads, self.head_dim)
             v = F.linear(h, w.v, w.v_bias).view(num_tokens, self.num_kv_heads, self.head_dim)
+            if index == final and last is not None:
+                # only each row's last token goes on: the other prefill tokens' keys and values
+                # are all the last layer must contribute, so their queries, attention, output
+                # projection and MLP are skipped and every row attends like a decode row
+                h, x = h[last], x[last]
+                q_cos, q_sin = cos[last], sin[last]
+            else:
+                q_cos, q_sin = cos, sin
+            q = F.linear(h, w.q, w.q_bias).view(h.shape[0], self.num_heads, self.head_dim)
             if w.q_norm is not None:
                 q = _rms_norm(q, w.q_norm, self.eps)
                 k = _rms_norm(k, w.k_norm, self.eps)
-            q = q * cos + torch.roll(q, half, dims=-1) * sin
+            q = q * q_cos + torch.roll(q, half, dims=-1) * q_sin
             k = k * cos + torch.roll(k, half, dims=-1) * sin
             k_cache, v_cache = self.kv.layer(index)
             k_cache[slots, :, pos] = k
             v_cache[slots, :, pos] = v
-            out = self._attention(q, k_cache, v_cache, attn)
+            if index == final and last is not None:
+                out = self._decode_attention(q, k_cache, v_cache, attn.final_bias)
+            else:
+                out = self._attention(q, k_cache, v_cache, attn)
             x = x + F.linear(out, w.o, w.o_bias)
             h = _rms_norm(x, w.ln2, self.eps)
             h = self.act(F.linear(h, w.gate, w.gate_bias)) * F.linear(h, w.up, w.up_bias)
             x = x + F.linear(h, w.down, w.down_bias)
-        if last is not None:
-            x = x[last]
         return F.linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
+
+    def _decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          bias: torch.Tensor) -> torch.Tensor:
+        """One query token per row against its slot's cache: q [rows, heads, head_dim] ->
+        [rows, heads * head_dim]. `bias` [rows * kv_heads, 1, length]: 0 or -inf."""
+        rows, length = q.shape[0], bias.shape[-1]
+        groups = rows * self.num_kv_heads
+        # grouped-query attention without repeating keys: a KV head's G query heads are G
+        # query rows against that head's cache; batched matmuls beat the CPU flash kernel here
+        qg = q.view(groups, self.group, self.head_dim)
+        keys = k_cache[:rows, :, :length].reshape(groups, length, self.head_dim)
+        values = v_cache[:rows, :, :length].reshape(groups, length, self.head_dim)
+        scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=self.scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, values).view(rows, self.num_heads * self.head_dim)
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    plan: "_AttentionPlan") -> torch.Tensor:
@@ -162,14 +187,7 @@ class ModelRunner:
         n, m, hd = plan.num_decode, plan.num_prefill, self.num_heads * self.head_dim
         parts = []
         if n:
-            # grouped-query attention without repeating keys: a KV head's G query heads play
-            # the role of G query positions against that head's cache
-            qd = q[:n].view(n, self.num_kv_heads, self.group, self.head_dim)
-            length = plan.decode_length
-            out = F.scaled_dot_product_attention(
-                qd, k_cache[:n, :, :length], v_cache[:n, :, :length],
-                attn_mask=plan.decode_mask, scale=self.scale)
-            parts.append(out.reshape(n, hd))
+            parts.append(self._decode_attention(q[:n], k_cache, v_cache, plan.decode_bias))
         if m:
             width = plan.width
             # right-padded [m, heads, width, head_dim]; causal masking keeps every real query
@@ -184,25 +202,25 @@ class ModelRunner:
 
 @dataclass(slots=True)
 class _AttentionPlan:
-    """Per-step index tensors that every layer's attention reuses."""
+    """Per-step index and mask tensors that every layer's attention reuses."""
 
     num_decode: int
     num_prefill: int
-    decode_length: int  # keys to read for decode rows (longest decode row incl. its new token)
-    decode_mask: torch.Tensor | None  # [n, 1, 1, decode_length] bool, True = attend
+    decode_bias: torch.Tensor | None  # [n * kv_heads, 1, L] additive mask of the decode rows
+    final_bias: torch.Tensor | None  # the same for all n + m rows (last layer, prefill steps)
     width: int  # padded prefill length
     pad_index: torch.Tensor | None  # [m * width] flat prefill token for each padded position
     valid_index: torch.Tensor | None  # [sum(lengths)] padded position of each flat token
 
     @staticmethod
-    def build(n: int, positions: list[int], lengths: list[int], width: int,
-              device: torch.device) -> "_AttentionPlan":
-        mask = pad_index = valid_index = None
-        decode_length = max(positions, default=-1) + 1
+    def build(n: int, positions: list[int], lengths: list[int], width: int, kv_heads: int,
+              dtype: torch.dtype, device: torch.device) -> "_AttentionPlan":
+        decode_bias = final_bias = pad_index = valid_index = None
         if n:
-            pos = torch.tensor(positions, device=device)
-            mask = (torch.arange(decode_length, device=device)[None, :] <= pos[:, None])[:, None, None, :]
+            decode_bias = _length_bias(positions, kv_heads, dtype, device)
         if lengths:
+            final_bias = _length_bias(positions + [n_ - 1 for n_ in lengths], kv_heads, dtype,
+                                      device)
             pad, valid, offset = [], [], 0
             for row, length in enumerate(lengths):
                 pad.extend(offset + min(p, length - 1) for p in range(width))
@@ -210,7 +228,18 @@ class _AttentionPlan:
                 offset += length
             pad_index = torch.tensor(pad, device=device)
             valid_index = torch.tensor(valid, device=device)
-        return _AttentionPlan(n, len(lengths), decode_length, mask, width, pad_index, valid_index)
+        return _AttentionPlan(n, len(lengths), decode_bias, final_bias, width, pad_index,
+                              valid_index)
+
+
+def _length_bias(positions: list[int], kv_heads: int, dtype: torch.dtype, device: torch.device
+                 ) -> torch.Tensor:
+    """Additive mask [rows * kv_heads, 1, max(positions) + 1]: row r sees keys 0..positions[r]."""
+    pos = torch.tensor(positions, device=device)
+    keys = torch.arange(int(max(positions)) + 1, device=device)
+    bias = torch.zeros(len(positions), keys.shape[0], dtype=dtype, device=device)
+    bias.masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
+    return bias.repeat_interleave(kv_heads, dim=0)[:, None, :]
 
 
 def _prefill_last_index(n: int, lengths: list[int]) -> list[int]:

@@ -1,0 +1,217 @@
+"""`laminar bench engine`: the native continuous-batching engine against static batching.
+
+    laminar bench engine [--quick] [--out FILE]
+
+Workload: reverse-task prompts whose answer lengths follow the task's heavy-tailed
+distribution (default `ReverseTaskConfig`: log-normal, p99 ~10x the median). Each request
+generates exactly its answer length + 1 tokens: EOS is set to an id outside the vocabulary for
+both backends, so a random-init model does the same work in both. Sampling at temperature 1.
+
+Reported, per model preset:
+- tokens/s of the native `Engine` and of the static-batch `HFEngine` with the same maximum batch
+  size, their ratio, and `ideal_ratio` = the static backend's decode steps (per batch, its
+  longest request) / the fewest steps a perfect continuous batcher needs (total tokens / max
+  batch, at least the longest request);
+- per-step decode latency vs batch size (1, 8, 32, 64, 128): this machine's analogue of the
+  paper's Fig. 4, from which the repack batch bound B is read.
+
+Timing runs on one torch thread (a rollout worker's share of the 2-core machine; a second
+OpenMP thread on a shared core makes small ops slower, not faster). The two backends alternate
+`repeats` times and the medians are compared, because the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from laminar.config import ReverseTaskConfig
+from laminar.engine import Engine, HFEngine
+from laminar.models import PAD_ID, build_char_tokenizer, build_preset, encode_prompt
+from laminar.tasks.reverse import make_prompts
+from laminar.types import GenerationRequest, SamplingParams
+
+BATCH_SIZES = (1, 8, 32, 64, 128)
+MAX_BATCH_SIZE = 64
+THREADS = 1
+
+
+def build_workload(num_requests: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt ids, tokens to generate) per request, from the reverse task's length tail."""
+    tokenizer = build_char_tokenizer()
+    items = make_prompts(ReverseTaskConfig(), num_requests, seed)
+    return [(encode_prompt(tokenizer, item.prompt), len(item.answer) + 1) for item in items]
+
+
+def make_requests(workload: list[tuple[list[int], int]]) -> list[GenerationRequest]:
+    return [GenerationRequest(f"b{i}", list(prompt),
+                              SamplingParams(temperature=1.0, max_new_tokens=num_new))
+            for i, (prompt, num_new) in enumerate(workload)]
+
+
+def step_counts(lengths: list[int], max_batch: int) -> tuple[int, int]:
+    """(static decode steps: sum over batches of the longest, ideal continuous-batching steps)."""
+    static = sum(max(lengths[i:i + max_batch]) for i in range(0, len(lengths), max_batch))
+    ideal = max(-(-sum(lengths) // max_batch), max(lengths))
+    return static, ideal
+
+
+def run_native(model, workload, max_batch: int, no_eos: int) -> dict:
+    engine = Engine(model, no_eos, PAD_ID, max_batch_size=max_batch)
+    requests = make_requests(workload)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for request in requests:
+        engine.add(request)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    _check_lengths(requests, workload)
+    return dict(seconds=seconds, cpu_seconds=cpu_seconds, steps=steps,
+                preempted=engine.scheduler.num_preempted)
+
+
+def run_static(model, workload, max_batch: int, no_eos: int) -> dict:
+    engine = HFEngine(model, no_eos, PAD_ID, max_batch_size=max_batch)
+    requests = make_requests(workload)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    engine.generate(requests)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    _check_lengths(requests, workload)
+    return dict(seconds=seconds, cpu_seconds=cpu_seconds)
+
+
+def _check_lengths(requests: list[GenerationRequest], workload) -> None:
+    for request, (_, num_new) in zip(requests, workload):
+        if len(request.output_ids) != num_new:
+            raise RuntimeError(f"{request.request_id} produced {len(request.output_ids)} tokens, "
+                               f"expected {num_new}: the two backends would not do the same work")
+
+
+def native_decode_latency(model, batch: int, no_eos: int, steps: int) -> float:
+    """Median ms of one decode step with `batch` running rows (12-token prompts)."""
+    engine = Engine(model, no_eos, PAD_ID, max_batch_size=batch)
+    params = SamplingParams(temperature=1.0, max_new_tokens=steps + 8)
+    for i in range(batch):
+        engine.add(GenerationRequest(f"l{i}", [1] + [10 + (i + j) % 60 for j in range(11)], params))
+    for _ in range(4):  # the prefill step, then a few warm decode steps
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def static_decode_latency(model, batch: int, no_eos: int, steps: int) -> float:
+    """ms per decode step of `transformers.generate` at `batch` rows: the time difference
+    between generating steps + 2 and 2 tokens, divided by `steps`."""
+    engine = HFEngine(model, no_eos, PAD_ID, max_batch_size=batch)
+
+    def timed(num_new: int) -> float:
+        params = SamplingParams(temperature=1.0, max_new_tokens=num_new)
+        requests = [GenerationRequest(f"s{i}", [1] + [10 + (i + j) % 60 for j in range(11)],
+                                      params) for i in range(batch)]
+        start = time.perf_counter()
+        engine.generate(requests)
+        return time.perf_counter() - start
+
+    timed(2)
+    long_run = min(timed(steps + 2) for _ in range(2))
+    short_run = min(timed(2) for _ in range(2))
+    return 1000 * max(long_run - short_run, 0.0) / steps
+
+
+def bench_preset(preset: str, num_requests: int, repeats: int, latency_steps: int) -> dict:
+    model = build_preset(preset).eval()
+    no_eos = model.config.vocab_size  # never sampled: every request runs to its drawn length
+    workload = build_workload(num_requests)
+    lengths = [num_new for _, num_new in workload]
+    static_steps, ideal_steps = step_counts(lengths, MAX_BATCH_SIZE)
+    total = sum(lengths)
+
+    warm = workload[:MAX_BATCH_SIZE]
+    run_native(model, warm, MAX_BATCH_SIZE, no_eos)
+    run_static(model, warm, MAX_BATCH_SIZE, no_eos)
+    native_runs, static_runs = [], []
+    for _ in range(repeats):
+        native_runs.append(run_native(model, workload, MAX_BATCH_SIZE, no_eos))
+        static_runs.append(run_static(model, workload, MAX_BATCH_SIZE, no_eos))
+    native_s = statistics.median(r["seconds"] for r in native_runs)
+    static_s = statistics.median(r["seconds"] for r in static_runs)
+    native_cpu = statistics.median(r["cpu_seconds"] for r in native_runs)
+    static_cpu = statistics.median(r["cpu_seconds"] for r in static_runs)
+
+    latency = {str(b): native_decode_latency(model, b, no_eos, latency_steps) for b in BATCH_SIZES}
+    static_latency = {str(b): static_decode_latency(model, b, no_eos, latency_steps)
+                      for b in BATCH_SIZES}
+    ratio = static_s / native_s
+    ideal = static_steps / ideal_steps
+    return dict(
+        preset=preset, num_requests=num_requests, max_batch_size=MAX_BATCH_SIZE,
+        total_tokens=total, repeats=repeats,
+        native_tokens_per_s=total / native_s, static_tokens_per_s=total / static_s,
+        ratio_native_vs_static=ratio, ideal_ratio=ideal, fraction_of_ideal=ratio / ideal,
+        native_seconds=native_s, static_seconds=static_s,
+        native_cpu_seconds=native_cpu, static_cpu_seconds=static_cpu,
+        ratio_native_vs_static_cpu=static_cpu / native_cpu,
+        native_steps=native_runs[0]["steps"], static_steps=static_steps, ideal_steps=ideal_steps,
+        native_preempted=native_runs[0]["preempted"],
+        decode_latency_ms_by_batch=latency, static_decode_latency_ms_by_batch=static_latency,
+        target_met=bool(ratio >= 2.5 and ratio >= 0.7 * ideal))
+
+
+def print_report(results: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=150)
+    table = Table(title=f"native engine vs static batching (max batch {MAX_BATCH_SIZE}, "
+                        f"{THREADS} thread)")
+    for col in ("preset", "requests", "tokens", "native tok/s", "static tok/s", "ratio",
+                "ratio (CPU time)", "ideal ratio", "of ideal", "steps native/static/ideal",
+                "target"):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(r["preset"], str(r["num_requests"]), str(r["total_tokens"]),
+                      f"{r['native_tokens_per_s']:,.0f}", f"{r['static_tokens_per_s']:,.0f}",
+                      f"{r['ratio_native_vs_static']:.2f}x",
+                      f"{r['ratio_native_vs_static_cpu']:.2f}x", f"{r['ideal_ratio']:.2f}x",
+                      f"{r['fraction_of_ideal']:.2f}",
+                      f"{r['native_steps']}/{r['static_steps']}/{r['ideal_steps']}",
+                      "met" if r["target_met"] else "NOT met")
+    console.print(table)
+    latency = Table(title="decode step latency (ms) vs batch size — Fig. 4 analogue")
+    latency.add_column("preset / backend")
+    for b in BATCH_SIZES:
+        latency.add_column(f"B={b}", justify="right")
+    for r in results:
+        for name, key in (("native", "decode_latency_ms_by_batch"),
+                          ("static (generate)", "static_decode_latency_ms_by_batch")):
+            latency.add_row(f"{r['preset']} {name}", *(f"{r[key][str(b)]:.2f}" for b in BATCH_SIZES))
+    console.print(latency)
+
+
+def main(quick: bool = False, out: str | None = None) -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        if quick:
+            results = [bench_preset("tiny", num_requests=256, repeats=1, latency_steps=12)]
+        else:
+            results = [bench_preset(preset, num_requests=512, repeats=3, latency_steps=32)
+                       for preset in ("tiny", "small")]
+    finally:
+        torch.set_num_threads(threads)
+    print_report(results)
+    report = {**results[0], "threads": THREADS, "presets": {r["preset"]: r for r in results}}
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=2))
+    return report
