@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import struct
 import threading
@@ -19,6 +21,7 @@ from laminar.relay.chain import CHUNK, FRAME, OFFER, ROLE_FEED, LinkError, call,
 from laminar.relay.client import Puller, Pusher
 from laminar.relay.plan import RelayInfo, build_chain, join
 from laminar.relay.process import RelayProcess
+from laminar.relay.store import read_latest_version
 
 SECRET = b"job-secret-for-tests"
 
@@ -120,7 +123,8 @@ def test_killing_a_middle_relay_during_a_broadcast_does_not_stop_the_others(job,
             prog = procs[1].heartbeat()["progress"].get("1")
             return prog is not None and prog["verified"] >= prog["chunks"] // 3
         wait_for(r1_half_way, what="r1 to receive a third of the version")
-        assert procs[1].heartbeat()["latest"] is None  # still in the middle of the broadcast
+        os.kill(procs[1].pid, signal.SIGSTOP)  # freeze it, then check it is really mid-way
+        assert read_latest_version("/dev/shm", procs[1].info.shm_prefix) is None
         procs[1].kill()
 
         for proc in (procs[2], procs[3]):
@@ -141,20 +145,26 @@ def test_killing_a_middle_relay_during_a_broadcast_does_not_stop_the_others(job,
 
 
 def test_killing_the_master_elects_its_successor_and_the_next_push_succeeds(job, tmp_path):
-    cfg = make_cfg()
+    cfg = make_cfg(rate_limit_mbps=100)
     with started(3, job, tmp_path, cfg) as procs:
         plan = chain_up(procs)
         pusher = Pusher(plan, SECRET, cfg)
         pusher.push(state_dict(1), 1)
         for proc in procs:
             wait_for(lambda: holds(proc, 1))
+        # the master dies in the middle of broadcasting v2: v2 can never complete
+        pusher.push(state_dict(2, scale=6), 2)
+        wait_for(lambda: "2" in procs[1].heartbeat()["progress"], what="r1 to start on v2")
         procs[0].kill()
-        sd = state_dict(2)
-        result = pusher.push(sd, 2)
+        sd = state_dict(3)
+        result = pusher.push(sd, 3)
         assert (result.master, result.failed_masters) == ("r1", ["r0"])
         for proc in procs[1:]:
-            wait_for(lambda: holds(proc, 2), what=f"{proc.id} to hold v2 from the new master")
-            assert_holds_exactly(proc, sd, 2, cfg)
+            wait_for(lambda: holds(proc, 3), what=f"{proc.id} to hold v3 from the new master")
+            assert_holds_exactly(proc, sd, 3, cfg)
+            assert len(proc.heartbeat()["progress"]) <= cfg.keep_versions  # the abandoned v2 is not piling up
+        beat = procs[1].heartbeat()
+        assert beat["progress"]["2"]["verified"] < beat["progress"]["2"]["chunks"]  # v2 never completed
 
 
 def test_a_relay_that_joins_late_catches_up_from_its_predecessor(job, tmp_path):

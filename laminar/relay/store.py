@@ -127,6 +127,7 @@ class VersionBuffer:
     def __init__(self, path: Path, header: VersionHeader, mm: mmap.mmap, fd: int,
                  cond: threading.Condition) -> None:
         self.path, self.header, self._mm, self._fd, self._cond = path, header, mm, fd, cond
+        self.file = open(fd, "rb", buffering=0, closefd=False)  # for sendfile
         self.data = memoryview(mm)[header.data_offset:header.data_offset + header.nbytes]
         self.state = bytearray(header.num_chunks)
         self.num_verified = 0
@@ -159,6 +160,7 @@ class VersionBuffer:
     def close(self) -> None:
         self.data.release()
         self._mm.close()
+        self.file.close()
         os.close(self._fd)
 
 

@@ -1,0 +1,447 @@
+"""`laminar bench relay`: how long a weight version takes to reach every relay, three ways.
+
+    laminar bench relay [--quick] [--out relay.json]
+    LAMINAR_BENCH_RELAY_RATE_MBIT=1000 laminar bench relay     # link rate (default 400)
+
+Eight relay processes, one per emulated node. Where the machine allows it (root, iproute2) every
+node is a network namespace whose uplink and downlink are capped by `tc tbf` at the link rate, so
+per-link bandwidth, not this machine's two shared cores, is the bottleneck as on a real cluster;
+otherwise the relays' own per-connection rate limiter stands in (the JSON says which).
+
+For M = 64 MiB and 256 MiB and chain lengths p = 2, 4, 8 it measures
+  (a) chain: the trainer pushes to the master, relays pass chunks down the chain, pipelined;
+  (b) star: the master sends the whole version to each relay in turn;
+  (c) Ray: one `ray.put` on node 0, every other node's actor `ray.get`s it (a real multi-node
+      Ray cluster, one node per namespace);
+and prints the Appendix D model next to the chain (and a star model next to the star). The
+model's inputs are measured separately: T_byte from a raw TCP stream over one link, T_start from
+a one-chunk version sent down the 8-relay chain. Also: the trainer's push stall vs p, and a
+rollout's pull (map + copy into preallocated weights) vs a plain memcpy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from laminar.config import RelayConfig
+from laminar.relay.client import Puller, Pusher
+from laminar.relay.netns import Netns
+from laminar.relay.plan import ChainPlan, build_chain
+from laminar.relay.process import RelayProcess
+
+MiB = 1 << 20
+SECRET = uuid.uuid4().hex.encode()
+NODES = 8
+
+
+def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
+    rate = float(os.environ.get("LAMINAR_BENCH_RELAY_RATE_MBIT", "400"))
+    sizes = [64] if quick else [64, 256]
+    ps = [2, 4, 8]
+    reps = 1 if quick else 3
+    ok, why = Netns.available()
+    network = "netns+veth+tbf" if ok else "in-transport token bucket"
+    print(f"relay bench: {NODES} relays, links {rate:g} Mbit/s via {network}"
+          f"{'' if ok else f' (no namespaces: {why})'}", flush=True)
+    job = f"bench{uuid.uuid4().hex[:6]}"
+    res: dict[str, Any] = {"network": network, "network_note": why, "rate_mbit": rate,
+                           "chunk_bytes": RelayConfig().chunk_bytes, "sizes_mib": sizes, "reps": reps,
+                           "by_size": {}}
+    net = Netns(NODES, rate) if ok else None
+    with tempfile.TemporaryDirectory(prefix="lam-bench-") as tmp:
+        if net is not None:
+            net.__enter__()
+        try:
+            hosts = [net.address(i) if net else "127.0.0.1" for i in range(NODES)]
+            cfg = RelayConfig(timeout_s=20.0, heartbeat_s=1.0, rate_limit_mbps=0.0 if net else rate)
+            relays = [RelayProcess(f"n{i}", job, SECRET, cfg.model_copy(update={"host": hosts[i]}),
+                                   prefix=net.prefix(i) if net else None,
+                                   log_path=Path(tmp) / f"n{i}.log") for i in range(NODES)]
+            try:
+                bench = _Bench(relays, cfg)
+                res["T_byte_s"] = t_byte = _raw_link_seconds_per_byte(net, rate)
+                res["T_start_s"] = t_start = bench.hop_latency()
+                res["T_start_rtt_half_s"] = _raw_half_rtt(net)
+                for m in sizes:
+                    res["by_size"][f"{m}MiB"] = bench.run_size(m * MiB, ps, reps, t_byte, t_start)
+            finally:
+                for r in relays:
+                    r.close()
+            if net is not None:
+                ray_res = _ray_in_namespaces(net, sizes, ps, max(1, reps - 1))
+            else:
+                ray_res = {"note": "Ray nodes need network namespaces to be a network broadcast; skipped"}
+            for m in sizes:
+                res["by_size"][f"{m}MiB"]["ray_s_by_p"] = ray_res.get(f"{m}MiB", {})
+            res["ray_note"] = ray_res.get("note", "one Ray node per namespace, same links")
+        finally:
+            if net is not None:
+                net.close()
+    _headline(res, f"{max(sizes)}MiB")
+    _print_table(res)
+    if out:
+        Path(out).write_text(json.dumps(res, indent=2))
+        print(f"wrote {out}")
+    return res
+
+
+class _Bench:
+    def __init__(self, relays: list[RelayProcess], cfg: RelayConfig) -> None:
+        self.relays, self.cfg = relays, cfg
+        self.version = 0
+
+    def _plan(self, p: int) -> ChainPlan:
+        plan = build_chain([r.info for r in self.relays[:p]], epoch=self.version)
+        for r in self.relays:
+            r.call("set_plan", plan=plan.to_dict())
+        return plan
+
+    def _wait(self, relays: list[RelayProcess], version: int, timeout: float = 300.0) -> list[dict]:
+        """Heartbeats of `relays` once all hold `version`. Polls the tail first (it completes
+        last) so that polling costs the relays almost no CPU while they work; the completion
+        times come from the relays' own clocks, not from when the poll noticed."""
+        end = time.time() + timeout
+        for r in reversed(relays):
+            while (r.heartbeat()["latest"] or -1) < version:
+                if time.time() > end:
+                    raise TimeoutError(f"relay {r.id} did not reach version {version} in {timeout}s")
+                time.sleep(0.1)
+        return [r.heartbeat() for r in relays]
+
+    def _push(self, plan: ChainPlan, sd: dict[str, torch.Tensor]) -> tuple[float, int]:
+        self.version += 1
+        result = Pusher(plan, SECRET, self.cfg).push(sd, self.version)
+        return result.seconds, self.version
+
+    def chain_once(self, p: int, sd: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """(broadcast seconds from the master holding it to the last relay holding it, stall)."""
+        plan = self._plan(p)
+        if self.version:
+            self._wait(self.relays[:p], self.version)  # relays new to the chain catch up first
+        stall, v = self._push(plan, sd)
+        beats = self._wait(self.relays[:p], v)
+        done = [b["completed_at"][str(v)] for b in beats]
+        return max(done) - done[0], stall
+
+    def star_once(self, p: int, sd: dict[str, torch.Tensor]) -> float:
+        plan = self._plan(1)  # nobody forwards: the master alone sends
+        _, v = self._push(plan, sd)
+        targets = [r.info.to_dict() for r in self.relays[1:p]]
+        per_target = self.relays[0].call("send_to", targets=targets, version=v, timeout_s=1800)
+        return per_target[-1]
+
+    def hop_latency(self) -> float:
+        """T_start: per-hop cost of a one-chunk (4 KiB) version down all 8 relays."""
+        tiny = {"w": torch.zeros(1024)}
+        times = [self.chain_once(NODES, tiny)[0] for _ in range(5)]
+        return statistics.median(times) / (NODES - 1)
+
+    def pull_vs_memcpy(self, relay: RelayProcess, sd: dict[str, torch.Tensor], reps: int) -> dict[str, float]:
+        dst = {k: torch.empty_like(t) for k, t in sd.items()}
+
+        class Engine:
+            def load_weights(self, named, version):
+                for k, t in named.items():
+                    dst[k].copy_(t)
+
+        puller, engine = Puller(relay.info, self.cfg), Engine()
+        pulls, copies = [], []
+        for _ in range(reps + 1):  # the first round warms both paths up
+            t0 = time.perf_counter()
+            puller.pull_latest(engine, newer_than=None)
+            pulls.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for k, t in sd.items():
+                dst[k].copy_(t)
+            copies.append(time.perf_counter() - t0)
+        pull, copy = statistics.median(pulls[1:]), statistics.median(copies[1:])
+        return {"pull_s": pull, "memcpy_s": copy, "pull_over_memcpy": pull / copy}
+
+    def run_size(self, nbytes: int, ps: list[int], reps: int, t_byte: float, t_start: float) -> dict[str, Any]:
+        """Chain and star for every p. Repetitions go round all p in turn, so a change in the
+        machine's background load hits every p alike instead of skewing the ratios."""
+        label = f"{nbytes // MiB}MiB"
+        sd = _state_dict(nbytes)
+        k = math.ceil(nbytes / self.cfg.chunk_bytes)
+        chain: dict[int, list[float]] = {p: [] for p in ps}
+        stall: dict[int, list[float]] = {p: [] for p in ps}
+        star: dict[int, list[float]] = {p: [] for p in ps}
+        for rep in range(reps):
+            for p in ps:
+                c, st = self.chain_once(p, sd)
+                chain[p].append(c)
+                stall[p].append(st)
+                print(f"  {label} rep {rep} p={p}: chain {c:.3f}s "
+                      f"(model {chain_model(p, nbytes, k, t_byte, t_start):.3f}s), push stall {st:.3f}s",
+                      flush=True)
+        for rep in range(max(1, reps - 1)):
+            for p in ps:
+                star[p].append(self.star_once(p, sd))
+                print(f"  {label} rep {rep} p={p}: star {star[p][-1]:.3f}s", flush=True)
+        med = statistics.median
+        r: dict[str, Any] = {
+            "chain_s_by_p": {str(p): med(chain[p]) for p in ps},
+            "star_s_by_p": {str(p): med(star[p]) for p in ps},
+            "model_s_by_p": {str(p): chain_model(p, nbytes, k, t_byte, t_start) for p in ps},
+            "star_model_s_by_p": {str(p): (p - 1) * (nbytes * t_byte + t_start) for p in ps},
+            "push_stall_s_by_p": {str(p): med(stall[p]) for p in ps},
+            "samples": {"chain": chain, "star": star, "push_stall": stall},
+            "chunks": k,
+            "k_opt_by_p": {str(p): math.sqrt(max(p - 2, 0) * nbytes * t_byte / t_start) for p in ps},
+        }
+        r.update(self.pull_vs_memcpy(self.relays[max(ps) - 1], sd, max(reps, 3)))
+        print(f"  {label} pull {r['pull_s']:.3f}s vs memcpy {r['memcpy_s']:.3f}s", flush=True)
+        return r
+
+
+def chain_model(p: int, m: int, k: int, t_byte: float, t_start: float) -> float:
+    """Appendix D, Eq. 1: T(p, k) = (p + k - 2) * (M/k * T_byte + T_start)."""
+    return (p + k - 2) * (m / k * t_byte + t_start)
+
+
+def _state_dict(nbytes: int) -> dict[str, torch.Tensor]:
+    """Eight float32 tensors of random weights summing to `nbytes`."""
+    g = torch.Generator().manual_seed(0)
+    n = nbytes // 4 // 8
+    return {f"layers.{i}.weight": torch.randn(n // 1024, 1024, generator=g) for i in range(8)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Raw link calibration (no relay code involved)
+
+_SINK = """
+import socket, sys, time
+s = socket.create_server((sys.argv[1], 0)); print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); buf = bytearray(1 << 20); n = 0; t0 = None
+while (k := c.recv_into(buf)):
+    t0 = t0 or time.perf_counter(); n += k
+print(n, time.perf_counter() - t0, flush=True)
+"""
+
+_ECHO = """
+import socket, sys
+s = socket.create_server((sys.argv[1], 0)); print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while (d := c.recv(64)):
+    c.sendall(d)
+"""
+
+_SOURCE = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+if sys.argv[3] == "blast":
+    data = b"x" * (1 << 20)
+    for _ in range(int(sys.argv[4])): c.sendall(data)
+else:
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); rtts = []
+    for _ in range(int(sys.argv[4])):
+        t0 = time.perf_counter(); c.sendall(b"p"); c.recv(64); rtts.append(time.perf_counter() - t0)
+    rtts.sort(); print(rtts[len(rtts) // 2], flush=True)
+c.close()
+"""
+
+
+def _pair(net: Netns | None, server: str, mode: str, count: int) -> tuple[str, str]:
+    host = net.address(1) if net else "127.0.0.1"
+    srv = subprocess.Popen([*(net.prefix(1) if net else []), sys.executable, "-c", server, host],
+                           stdout=subprocess.PIPE, text=True)
+    port = srv.stdout.readline().strip()
+    cli = subprocess.run([*(net.prefix(0) if net else []), sys.executable, "-c", _SOURCE, host, port,
+                          mode, str(count)], capture_output=True, text=True, check=True)
+    srv_out = srv.communicate(timeout=120)[0]
+    return srv_out, cli.stdout
+
+
+def _raw_link_seconds_per_byte(net: Netns | None, rate_mbit: float) -> float:
+    if net is None:  # the limiter is exact by construction
+        return 8 / (rate_mbit * 1e6)
+    srv_out, _ = _pair(net, _SINK, "blast", 64)
+    n, secs = srv_out.split()
+    return float(secs) / int(n)
+
+
+def _raw_half_rtt(net: Netns | None) -> float:
+    _, cli_out = _pair(net, _ECHO, "ping", 500)
+    return float(cli_out) / 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray baseline: a real multi-node Ray cluster, one node per namespace
+
+
+def _ray_in_namespaces(net: Netns, sizes: list[int], ps: list[int], reps: int) -> dict[str, Any]:
+    args = json.dumps({"addresses": [net.address(i) for i in range(NODES)],
+                       "prefixes": [net.prefix(i) for i in range(NODES)],
+                       "sizes": sizes, "ps": ps, "reps": reps})
+    proc = subprocess.run([*net.prefix(0), sys.executable, "-m", "laminar.bench.relay", "--ray-part", args],
+                          capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"note": f"Ray baseline failed (rc {proc.returncode}): {proc.stderr[-1500:]}"}
+    for ln in proc.stdout.splitlines():
+        if ln.startswith("  "):
+            print(ln, flush=True)
+    return json.loads(lines[-1])
+
+
+def _ray_part(spec: dict[str, Any]) -> None:
+    """Runs inside node 0's namespace: start Ray nodes, broadcast with put/get, tear down."""
+    import numpy as np
+    import ray
+
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    addrs, prefixes = spec["addresses"], spec["prefixes"]
+    temp = tempfile.mkdtemp(prefix="lamray-")
+    common = ["--block", "--num-cpus", "1", "--disable-usage-stats",
+              "--object-store-memory", str(1536 * MiB)]
+    nodes = [subprocess.Popen([ray_bin, "start", "--head", "--port", "6379", "--node-ip-address", addrs[0],
+                               "--include-dashboard=false", "--temp-dir", temp,
+                               "--resources", json.dumps({"relay0": 1}), *common],
+                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        _wait_port(addrs[0], 6379, 60)
+        ray.init(address=f"{addrs[0]}:6379", logging_level="ERROR", log_to_driver=False)
+        for i in range(1, len(addrs)):  # one at a time: nodes started together on one host race
+            log = open(Path(temp) / f"node{i}.log", "wb")
+            nodes.append(subprocess.Popen(
+                [*prefixes[i], ray_bin, "start", "--address", f"{addrs[0]}:6379", "--node-ip-address",
+                 addrs[i], "--resources", json.dumps({f"relay{i}": 1}), *common],
+                start_new_session=True, stdout=log, stderr=subprocess.STDOUT))
+            end = time.time() + 90
+            while sum(n["Alive"] for n in ray.nodes()) < i + 1:
+                if time.time() > end or nodes[-1].poll() is not None:
+                    raise RuntimeError(f"Ray node {i} did not join: "
+                                       f"{(Path(temp) / f'node{i}.log').read_text()[-1500:]}")
+                time.sleep(0.3)
+
+        @ray.remote(num_cpus=0)
+        class Getter:
+            def fetch(self, refs: list) -> int:
+                return sum(a.nbytes for a in ray.get(refs[0]).values())
+
+        actors = [Getter.options(resources={f"relay{i}": 0.01}).remote() for i in range(1, len(addrs))]
+        ray.get([a.fetch.remote([ray.put({"w": np.zeros(8)})]) for a in actors])
+        out: dict[str, Any] = {}
+        for m in spec["sizes"]:
+            rng = np.random.default_rng(0)
+            arrays = {f"layers.{j}.weight": rng.standard_normal(m * MiB // 32, dtype=np.float32)
+                      for j in range(8)}
+            by_p = {}
+            for p in spec["ps"]:
+                times = []
+                for _ in range(spec["reps"]):
+                    ref = ray.put(arrays)
+                    t0 = time.perf_counter()
+                    ray.get([a.fetch.remote([ref]) for a in actors[:p - 1]])
+                    times.append(time.perf_counter() - t0)
+                    del ref
+                    time.sleep(1.0)  # let the copies on the other nodes be freed
+                by_p[str(p)] = statistics.median(times)
+                print(f"  {m}MiB p={p}: ray {by_p[str(p)]:.3f}s", flush=True)
+            out[f"{m}MiB"] = by_p
+        print(json.dumps(out), flush=True)
+    finally:
+        try:
+            ray.shutdown()
+        finally:
+            for proc in reversed(nodes):  # our own process groups only, never `ray stop`
+                _kill_group(proc)
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def _wait_port(host: str, port: int, timeout: float) -> None:
+    import socket
+
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"Ray head at {host}:{port} did not come up within {timeout}s")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def _headline(res: dict[str, Any], label: str) -> None:
+    big = res["by_size"][label]
+    for key in ("chain_s_by_p", "star_s_by_p", "ray_s_by_p", "model_s_by_p", "push_stall_s_by_p"):
+        res[key] = big.get(key, {})
+    chain, star, stall = res["chain_s_by_p"], res["star_s_by_p"], res["push_stall_s_by_p"]
+    res["headline_size"] = label
+    res["chain_ratio_p8_p2"] = chain["8"] / chain["2"]
+    res["star_over_chain_p8"] = star["8"] / chain["8"]
+    res["push_stall_ratio_p8_p2"] = stall["8"] / stall["2"]
+    res["pull_over_memcpy"] = big["pull_over_memcpy"]
+    res["chain_over_model_by_p"] = {p: chain[p] / res["model_s_by_p"][p] for p in chain}
+
+
+def _print_table(res: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"relay broadcast, {res['rate_mbit']:g} Mbit/s links ({res['network']}), "
+                    f"chunk {res['chunk_bytes'] // 1024} KiB")
+    for col in ("size", "p", "chain s", "model s", "chain/model", "star s", "star model s", "ray s",
+                "push stall s"):
+        t.add_column(col, justify="right")
+    for label, r in res["by_size"].items():
+        for p in r["chain_s_by_p"]:
+            ray_s = r.get("ray_s_by_p", {}).get(p)
+            t.add_row(label, p, f"{r['chain_s_by_p'][p]:.3f}", f"{r['model_s_by_p'][p]:.3f}",
+                      f"{r['chain_s_by_p'][p] / r['model_s_by_p'][p]:.2f}", f"{r['star_s_by_p'][p]:.3f}",
+                      f"{r['star_model_s_by_p'][p]:.3f}", f"{ray_s:.3f}" if ray_s else "-",
+                      f"{r['push_stall_s_by_p'][p]:.3f}")
+    console = Console()
+    console.print(t)
+    console.print(f"T_byte {res['T_byte_s'] * 1e9:.2f} ns/B ({8 / res['T_byte_s'] / 1e6:.0f} Mbit/s "
+                  f"measured), T_start {res['T_start_s'] * 1e3:.2f} ms/hop (raw RTT/2 "
+                  f"{res['T_start_rtt_half_s'] * 1e3:.3f} ms)")
+    console.print(f"chain p8/p2 {res['chain_ratio_p8_p2']:.2f} (target <= 1.3), star/chain p8 "
+                  f"{res['star_over_chain_p8']:.2f} (>= 4), push stall p8/p2 "
+                  f"{res['push_stall_ratio_p8_p2']:.2f} (<= 1.2), pull/memcpy "
+                  f"{res['pull_over_memcpy']:.2f} (<= 2), chain/model "
+                  + ", ".join(f"p{p} {v:.2f}" for p, v in res["chain_over_model_by_p"].items())
+                  + " (within 25%)")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--ray-part":
+        _ray_part(json.loads(sys.argv[2]))
+    else:
+        main(quick="--quick" in sys.argv)
