@@ -17,9 +17,9 @@ SETTINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top
             SamplingParams(temperature=0.0, top_k=3), SamplingParams(temperature=1.0, top_k=500)]
 
 
-def rows_for(params, seeds=None, counters=None, vocab=64):
+def rows_for(params, seeds=None, counters=None):
     n = len(params)
-    return SamplingRows.build(params, seeds or [7] * n, counters or [0] * n, vocab)
+    return SamplingRows.build(params, seeds or [7] * n, counters or [0] * n)
 
 
 def hf_processed(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -58,7 +58,7 @@ def test_greedy_rows_take_the_argmax_with_the_model_logprob():
 def test_draws_follow_the_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 0.2, 1.5]]).repeat(20_000, 1)
     rows = SamplingRows.build([SamplingParams(temperature=1.0)] * 20_000, [123] * 20_000,
-                              list(range(20_000)), vocab_size=8)
+                              list(range(20_000)))
     tokens, logprobs = sample(logits, rows)
     freq = torch.bincount(tokens, minlength=8).float() / 20_000
     probs = logits[0].softmax(-1)
@@ -71,7 +71,7 @@ def test_draws_stay_inside_top_k_and_top_p():
     logits = torch.randn(1, 64).repeat(2000, 1)
     params = [SamplingParams(temperature=1.0, top_k=4)] * 1000 + \
              [SamplingParams(temperature=1.0, top_p=0.3)] * 1000
-    tokens, logprobs = sample(logits, SamplingRows.build(params, [5] * 2000, list(range(2000)), 64))
+    tokens, logprobs = sample(logits, SamplingRows.build(params, [5] * 2000, list(range(2000))))
     top4 = set(logits[0].topk(4).indices.tolist())
     assert set(tokens[:1000].tolist()) <= top4 and len(set(tokens[:1000].tolist())) == 4
     allowed = ~torch.isinf(hf_processed(logits[0], params[-1]))

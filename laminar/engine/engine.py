@@ -136,9 +136,10 @@ class Engine:
             [seq.request.output_ids[-1] for seq in decoding],
             [seq.num_tokens - 1 for seq in decoding],
             [seq.context() for seq in admitted])
-        sampling = SamplingRows.build(
-            [seq.request.params for seq in rows], [seq.seed for seq in rows],
-            [len(seq.request.output_ids) for seq in rows], self.runner.vocab_size,
+        sampling = SamplingRows.from_rows(
+            [seq.sampling_row for seq in rows],
+            [(seq.seed, len(seq.request.output_ids)) for seq in rows],
+            all(seq.is_greedy for seq in rows), any(seq.is_filtered for seq in rows),
             self.runner.device)
         tokens, logprobs = sample(logits, sampling)
         return deltas + self._postprocess(rows, tokens.tolist(), logprobs.tolist())
@@ -151,6 +152,7 @@ class Engine:
             request = seq.request
             request.output_ids.append(token)
             request.logprobs.append(logprob)
+            seq.num_tokens += 1
             reason = None
             if token == eos:
                 reason = "eos"

@@ -19,6 +19,7 @@ Parts:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,10 +33,25 @@ _MUL1, _MUL2 = 0x7FEB352D, 0x2C1B3C6D
 _GOLDEN = 0x1E3779B9
 
 
+def sampling_row(params: SamplingParams) -> tuple[tuple[float, float, float, float], bool, bool]:
+    """A request's settings as one row of floats (temperature, top-k, top-p, greedy) with the
+    "off" values filled in, plus (is greedy, uses top-k or top-p). Computed once per request."""
+    greedy = params.temperature == 0.0
+    top_k = float(params.top_k) if params.top_k > 0 and not greedy else _OFF_TOP_K
+    top_p = params.top_p if params.top_p < 1.0 and not greedy else _OFF_TOP_P
+    temperature = 1.0 if greedy else params.temperature
+    filtered = top_k != _OFF_TOP_K or top_p != _OFF_TOP_P
+    return (temperature, top_k, top_p, float(greedy)), greedy, filtered
+
+
+_OFF_TOP_K = float(1 << 30)  # clamped to the vocabulary size
+_OFF_TOP_P = 2.0  # above any cumulative mass: never filters
+
+
 @dataclass(slots=True)
 class SamplingRows:
     temperature: torch.Tensor  # [B] float32; 1.0 on greedy rows
-    top_k: torch.Tensor  # [B] int64; vocab size where off
+    top_k: torch.Tensor  # [B] int64; >= vocab size where off
     top_p: torch.Tensor  # [B] float32; > 1 where off (never filters)
     greedy: torch.Tensor  # [B] bool
     seeds: torch.Tensor  # [B] int64
@@ -45,21 +61,21 @@ class SamplingRows:
 
     @staticmethod
     def build(params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int],
-              vocab_size: int, device: torch.device | str = "cpu") -> "SamplingRows":
-        greedy = [p.temperature == 0.0 for p in params]
-        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-        top_k = [vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size)
-                 for p, g in zip(params, greedy)]
-        top_p = [2.0 if g or p.top_p >= 1.0 else p.top_p for p, g in zip(params, greedy)]
-        any_filter = any(k < vocab_size for k in top_k) or any(p <= 1.0 for p in top_p)
-        return SamplingRows(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            seeds=torch.tensor(seeds, dtype=torch.long, device=device),
-            counters=torch.tensor(counters, dtype=torch.long, device=device),
-            all_greedy=all(greedy), any_filter=any_filter)
+              device: torch.device | str = "cpu") -> "SamplingRows":
+        rows = [sampling_row(p) for p in params]
+        return SamplingRows.from_rows([r[0] for r in rows], list(zip(seeds, counters)),
+                                      all(r[1] for r in rows), any(r[2] for r in rows), device)
+
+    @staticmethod
+    def from_rows(rows: Sequence[tuple[float, float, float, float]],
+                  seeds_counters: Sequence[tuple[int, int]], all_greedy: bool, any_filter: bool,
+                  device: torch.device | str = "cpu") -> "SamplingRows":
+        """From precomputed `sampling_row`s: two host-to-device copies for the whole batch."""
+        table = torch.tensor(rows, dtype=torch.float32, device=device)  # [B, 4]
+        ints = torch.tensor(seeds_counters, dtype=torch.long, device=device)  # [B, 2]
+        return SamplingRows(temperature=table[:, 0], top_k=table[:, 1].long(), top_p=table[:, 2],
+                            greedy=table[:, 3] > 0, seeds=ints[:, 0], counters=ints[:, 1],
+                            all_greedy=all_greedy, any_filter=any_filter)
 
 
 def process_logits(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
@@ -72,7 +88,7 @@ def process_logits(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         return scaled
     vocab = scaled.shape[-1]
     sorted_vals = scaled.sort(dim=-1, descending=True).values
-    in_top_k = torch.arange(vocab, device=scaled.device)[None, :] < rows.top_k[:, None]
+    in_top_k = torch.arange(vocab, device=scaled.device)[None, :] < rows.top_k[:, None]  # k >= V: all
     probs = sorted_vals.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
     mass_above = probs.cumsum(dim=-1) - probs
     # keep the smallest prefix whose mass reaches top_p (the first token always survives)
@@ -97,10 +113,15 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -
     """Standard Gumbel noise [B, V], a pure function of (seed, counter, vocab index)."""
     key = _mix32(seeds & _MASK32) ^ _mix32(((seeds >> 32) & _MASK32) ^ _GOLDEN)
     key = _mix32(key ^ _mix32(counters & _MASK32))
-    vocab_ids = _mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.long) + _GOLDEN)
-    bits = _mix32(key[:, None] ^ vocab_ids[None, :])
+    bits = _mix32(key[:, None] ^ _vocab_hash(vocab_size, seeds.device)[None, :])
     uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in float32, in (0, 1)
     return -torch.log(-torch.log(uniform))
+
+
+@functools.cache
+def _vocab_hash(vocab_size: int, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # a plain tensor, usable in and out of inference mode
+        return _mix32(torch.arange(vocab_size, device=device, dtype=torch.long) + _GOLDEN)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

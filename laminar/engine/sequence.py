@@ -7,25 +7,28 @@ cached tokens are `num_tokens - 1`: the last sampled token is fed (and cached) n
 
 from __future__ import annotations
 
+from laminar.engine.sampler import sampling_row
 from laminar.types import GenerationRequest
 
 
 class Sequence:
-    __slots__ = ("request", "seed", "stop_ids", "admitted_at")
+    __slots__ = ("request", "seed", "stop_ids", "admitted_at", "num_tokens", "sampling_row",
+                 "is_greedy", "is_filtered")
 
     def __init__(self, request: GenerationRequest, seed: int, eos_token_id: int) -> None:
+        params = request.params
         self.request = request
         self.seed = seed  # drives the counter-based sampling noise (see sampler.py)
-        self.stop_ids = frozenset((eos_token_id, *request.params.stop_token_ids))
+        self.stop_ids = frozenset((eos_token_id, *params.stop_token_ids))
         self.admitted_at = -1  # admission counter; the newest running sequence is preempted first
+        # prompt + output length; a plain attribute (the step reads it for every row), kept in
+        # step by the engine, the only writer of output_ids while the request is inside
+        self.num_tokens = len(request.prompt_ids) + len(request.output_ids)
+        self.sampling_row, self.is_greedy, self.is_filtered = sampling_row(params)
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.request.prompt_ids) + len(self.request.output_ids)
 
     @property
     def num_cached_tokens(self) -> int:
