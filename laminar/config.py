@@ -93,8 +93,8 @@ class EnvLatencyConfig(Section):
 
 class RolloutConfig(Section):
     num_workers: int = Field(1, ge=1, description="Rollout workers (each owns one engine).")
-    batch_groups: int = Field(8, ge=1, description="Prompt groups one rollout leases as its batch "
-                              "(laminar/partial modes); it pulls new weights when the batch is done.")
+    batch_groups: int = Field(8, ge=1, description="Prompt groups one rollout keeps in flight "
+                              "(laminar/partial modes): it tops up to this many as groups finish.")
     max_outstanding_batches: int = Field(
         2, ge=1, description="Admission control of the free-running modes (laminar, partial): "
         "rollouts lease new prompts only while fewer than this many global batches of groups are "

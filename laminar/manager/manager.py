@@ -7,8 +7,9 @@ and capacity, unfinished trajectories) and:
   pool) continue on a live rollout of the same weight version (restarted from scratch if none
   holds that version, so a trajectory never mixes versions); its untouched leases go back to
   the prompt pool;
-- **repack** (laminar mode): `plan_repack` (Algorithm 1, pure) picks sources in their ramp-down
-  phase and the densest destination of the same version; each move is export (abort, the
+- **repack** (laminar mode): a rollout that saw a newer version stops admitting and drains:
+  its KV utilisation ramps down. `plan_repack` (Algorithm 1, pure) picks sources among those
+  and the densest destination of the same version; each move is export (abort, the
   source holds) → adopt (the destination re-prefills prompt + prefix) → partial pool reassign →
   release (the source, now empty, pulls the newest weights and leases its next batch).
 
@@ -94,8 +95,8 @@ class RolloutManager:
         for wid, s in snapshots.items():
             prev = self.prev_kv.get(wid, s["kv_capacity_tokens"])
             self.prev_kv[wid] = s["kv_used_tokens"]
-            if s["hold"] or s["num_waiting"]:
-                continue  # a waiting queue means the plateau, not the ramp-down (paper Fig. 9)
+            if s["hold"] or not s["draining"] or s["num_waiting"]:
+                continue  # only a rollout that stopped admitting is in its ramp-down (Fig. 9)
             loads.append(RolloutLoad(wid, s["version"], s["kv_used_tokens"], prev,
                                      s["kv_capacity_tokens"], s["num_reqs"]))
         for source, dest in plan_repack(loads, self.cfg.manager.c_max, self.cfg.manager.batch_bound):

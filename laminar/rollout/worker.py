@@ -15,8 +15,9 @@ Schedules drive it two ways:
   one_step, stream — the global-batch schedules);
 - `run_free(policy)`: keep going until `stop()`. When the worker's own batch is done it pulls
   the newest version from its node's relay and leases the next batch (`laminar`); with
-  `partial` it also interrupts everything in flight whenever a newer version appears, swaps
-  weights and resumes with re-prefill (so one trajectory mixes versions).
+  `partial` it keeps its engine topped up with new groups and interrupts everything in flight
+  whenever a newer version appears: swap weights, resume with re-prefill (so one trajectory
+  mixes versions), as AReaL does.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from laminar.types import GenerationRequest, PromptGroup, Trajectory
 class WorkerCounters:
     generated_tokens: int = 0
     finished: int = 0
-    batches: int = 0
+    batches: int = 0  # lease calls that started new groups
     pulls: int = 0
     pull_s: float = 0.0  # time spent copying new weights in
     busy_s: float = 0.0  # engine steps
@@ -83,8 +84,10 @@ class RolloutWorker:
         self.rng = np.random.default_rng(hash(worker_id) % 2**32)
         self.stop_event = threading.Event()
         self.hold = False  # set by export: do not start a new batch until the manager releases
+        self.draining = False  # laminar: a newer version is waiting; finish in-flight work first
         self.counters = WorkerCounters(versions=[version])
         self.last_renew = 0.0
+        self.next_lease = 0.0
 
     # ------------------------------------------------------------------------- schedules
 
@@ -100,16 +103,22 @@ class RolloutWorker:
                 "version": self.engine.version}
 
     def run_free(self, policy: str = "laminar") -> dict[str, Any]:
-        """Generate until `stop()`: pull and lease a new batch whenever the current one is done;
-        `partial` also swaps weights under in-flight trajectories."""
+        """Generate until `stop()`, keeping the engine topped up with new groups.
+        `laminar`: while no newer version is at the local relay, new groups start with the
+        current one; once one is, stop admitting and drain (the manager may repack the tail
+        onto a peer of the same version), then pull it and fill up again: one trajectory,
+        one version. `partial`: swap weights under in-flight trajectories at once instead."""
         self.stop_event.clear()
         while not self.stop_event.is_set():
-            if not self.active and not self.env_wait and not self.hold:
-                if not self._next_batch():
-                    self._idle(0.02)
-                    continue
             if policy == "partial":
                 self._swap_in_flight()
+            elif self._newer_version_available():
+                self.draining = True
+                if not self.active and not self.hold:
+                    self._load_newest()
+                    self.draining = False
+            if not self.draining and not self.hold:
+                self._top_up()
             self._tick_or_idle()
         return self.snapshot()
 
@@ -171,7 +180,7 @@ class RolloutWorker:
                     "kv_used_tokens": stats.kv_used_tokens,
                     "kv_capacity_tokens": stats.kv_capacity_tokens,
                     "num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                    "hold": self.hold, "counters": self.counters.__dict__.copy()}
+                    "hold": self.hold, "draining": self.draining, "counters": self.counters.__dict__.copy()}
 
     def export(self) -> list[tuple[GenerationRequest, PromptGroup]]:
         """Abort everything in flight and hand it over (repack source); the worker then holds
@@ -179,6 +188,7 @@ class RolloutWorker:
         with self.lock:
             states = self.engine.abort(list(self.active))
             moved = [(s, self.active.pop(s.request_id)[1]) for s in states]
+            self.draining = False
             for s, _ in moved:
                 self.streamed.pop(s.request_id, None)
             self.hold = True
@@ -212,16 +222,25 @@ class RolloutWorker:
     def _timeout(self) -> float:
         return self.cfg.cluster.wait_timeout_s
 
-    def _next_batch(self) -> bool:
-        if self.puller is not None and (self.puller.newest_version() or -1) > self.engine.version:
-            self._load_newest()
-        groups = ray.get(self.prompts.lease.remote(self.id, self.cfg.rollout.batch_groups),
-                         timeout=self._timeout)
-        if not groups:
-            return False  # admission control said wait
-        self._start(groups)
-        self.counters.batches += 1
-        return True
+    def _newer_version_available(self) -> bool:
+        if self.puller is None:
+            return False
+        newest = self.puller.newest_version()  # one small file read
+        return newest is not None and newest > self.engine.version
+
+    def _top_up(self) -> None:
+        """Lease groups whenever a group's worth of slots is free (`batch_groups` groups in
+        flight at most) and admission control allows."""
+        size = self.cfg.rollout.group_size
+        free_groups = (self.cfg.rollout.batch_groups * size - len(self.active)) // size
+        if free_groups <= 0 or time.monotonic() < self.next_lease:
+            return
+        groups = ray.get(self.prompts.lease.remote(self.id, free_groups), timeout=self._timeout)
+        if groups:
+            self._start(groups)
+            self.counters.batches += 1
+        else:
+            self.next_lease = time.monotonic() + 0.05  # admission control: ask again shortly
 
     def _start(self, groups: list[PromptGroup]) -> None:
         registrations = []
