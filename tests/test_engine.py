@@ -254,6 +254,10 @@ def test_resume_with_no_budget_left_finishes_at_once(model):
     [delta] = engine.step()
     assert delta.finish_reason == "length" and delta.token_ids == [] and req.output_ids == [7, 8]
     assert not engine.has_unfinished()
+    ended = GenerationRequest("ended", [BOS_ID, 5], SamplingParams(max_new_tokens=9),
+                              output_ids=[7, EOS_ID], logprobs=[-1.0, -2.0], version=0)
+    engine.add(ended)  # a state whose last token is EOS (aborted right after it) is done
+    assert [d.finish_reason for d in engine.step()] == ["eos"] and ended.output_ids == [7, EOS_ID]
 
 
 def test_bad_requests_fail_with_clear_errors(model):
@@ -305,3 +309,11 @@ def test_forced_load_weights_continues_in_flight_requests(model):
     engine.load_weights(build_preset("tiny", seed=5).named_parameters(), version=1, force=True)
     engine.generate([])
     assert len(req.output_ids) == 8 and req.version == 0 and engine.version == 1
+
+
+def test_kv_capacity_from_a_memory_budget(model):
+    from laminar.engine.kv_cache import kv_capacity_from_memory
+
+    # tiny preset: 2 layers x (K and V) x 2 KV heads x 32 dims x 4 bytes = 1 KiB per token
+    assert kv_capacity_from_memory(model.config, 1 << 20, torch.float32) == 1024
+    assert kv_capacity_from_memory(model.config, 1 << 20, torch.bfloat16) == 2048

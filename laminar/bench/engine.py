@@ -25,8 +25,13 @@ token rates and their ratio are wall-clock, with the CPU-time ratio beside as a 
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -229,3 +234,103 @@ def main(quick: bool = False, out: str | None = None) -> dict:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=2))
     return report
+
+
+# -- history: what each commit of the engine bought -------------------------------------------
+#
+#   python -m laminar.bench.engine --history 8c44aa7 HEAD --preset small
+#
+# Each revision's `laminar/` is exported with `git archive` and timed in its own subprocess on
+# the same workload, revisions alternating `repeats` times (the machine is shared: only
+# comparisons inside one run mean anything). The snippet uses only APIs every revision has.
+
+_HISTORY_SNIPPET = r"""
+import sys, time, torch
+torch.set_num_threads(1)
+from laminar.config import ReverseTaskConfig
+from laminar.engine import Engine, HFEngine
+from laminar.models import PAD_ID, build_char_tokenizer, build_preset, encode_prompt
+from laminar.tasks.reverse import make_prompts
+from laminar.types import GenerationRequest, SamplingParams
+backend, preset, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tok = build_char_tokenizer()
+work = [(encode_prompt(tok, it.prompt), len(it.answer) + 1)
+        for it in make_prompts(ReverseTaskConfig(), n, 0)]
+model = build_preset(preset)
+cls = Engine if backend == "native" else HFEngine
+def run(work):
+    reqs = [GenerationRequest(f"b{i}", list(p), SamplingParams(temperature=1.0, max_new_tokens=k))
+            for i, (p, k) in enumerate(work)]
+    engine = cls(model, model.config.vocab_size, PAD_ID, max_batch_size=64)
+    start, cpu = time.perf_counter(), time.process_time()
+    engine.generate(reqs)
+    assert [len(r.output_ids) for r in reqs] == [k for _, k in work]
+    return time.perf_counter() - start, time.process_time() - cpu
+run(work[:64])
+wall, cpu = run(work)
+print(sum(k for _, k in work), wall, cpu)
+"""
+
+
+def history(revisions: list[str], preset: str, num_requests: int, repeats: int) -> list[dict]:
+    """Native tokens/s of each git revision of laminar (plus the static backend of the last)."""
+    root = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory(prefix="laminar-history-") as tmp:
+        trees = {}
+        for rev in revisions:
+            tree = Path(tmp) / rev.replace("/", "_")
+            tree.mkdir()
+            archive = subprocess.run(["git", "-C", str(root), "archive", rev, "laminar"],
+                                     check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+            trees[rev] = tree
+        runs: dict[str, list[tuple[float, float]]] = {}
+        variants = [(rev, "native", trees[rev]) for rev in revisions]
+        variants.append((f"static ({revisions[-1]})", "static", trees[revisions[-1]]))
+        for _ in range(repeats):
+            for name, backend, tree in variants:
+                env = {**os.environ, "PYTHONPATH": str(tree)}
+                out = subprocess.run([sys.executable, "-c", _HISTORY_SNIPPET, backend, preset,
+                                      str(num_requests)], env=env, check=True,
+                                     capture_output=True, text=True).stdout.split()
+                tokens = int(out[0])
+                runs.setdefault(name, []).append((tokens / float(out[1]), tokens / float(out[2])))
+    base = statistics.median(r[0] for r in runs[revisions[0]])
+    rows = [dict(revision=name, tokens_per_s=statistics.median(r[0] for r in rs),
+                 cpu_tokens_per_s=statistics.median(r[1] for r in rs)) for name, rs in runs.items()]
+    for row in rows:
+        row["vs_first"] = row["tokens_per_s"] / base
+    return rows
+
+
+def _print_history(rows: list[dict], preset: str, num_requests: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"native engine by revision ({preset}, {num_requests} requests, "
+                        f"max batch {MAX_BATCH_SIZE}, 1 thread)")
+    for col in ("revision", "tok/s (wall)", "tok/s (CPU time)", "vs first"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["revision"], f"{r['tokens_per_s']:,.0f}", f"{r['cpu_tokens_per_s']:,.0f}",
+                      f"{r['vs_first']:.2f}x")
+    Console(width=150).print(table)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="engine benchmark; see the module docstring")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--history", nargs="+", metavar="REV",
+                        help="time the native engine of these git revisions against each other")
+    parser.add_argument("--preset", default="tiny", help="model preset for --history")
+    parser.add_argument("--requests", type=int, default=512, help="workload size for --history")
+    parser.add_argument("--repeats", type=int, default=3, help="alternations for --history")
+    args = parser.parse_args()
+    if args.history:
+        result = history(args.history, args.preset, args.requests, args.repeats)
+        _print_history(result, args.preset, args.requests)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+    else:
+        main(quick=args.quick, out=args.out)

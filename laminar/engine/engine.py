@@ -54,7 +54,7 @@ class Engine:
         self.num_generated_tokens = 0
         self._rng = random.Random(seed)  # seeds for requests that bring none
         self._live: dict[str, Sequence] = {}
-        self._done_on_add: list[Sequence] = []  # resumed with no budget left: finish next step
+        self._done_on_add: list[Sequence] = []  # resumed with nothing left to do: finish next step
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -87,8 +87,9 @@ class Engine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request, seed, self.eos_token_id)
         self._live[rid] = seq
-        if seq.budget_left <= 0:
-            self._done_on_add.append(seq)
+        last = request.output_ids[-1] if request.output_ids else None
+        if seq.budget_left <= 0 or last in seq.stop_ids:
+            self._done_on_add.append(seq)  # nothing left to generate: finishes next step
         else:
             self.scheduler.add(seq)
 
@@ -120,7 +121,7 @@ class Engine:
 
     def step(self) -> list[TokenDelta]:
         """One scheduling step: admit (prefill) and decode together, one token per row."""
-        deltas = [self._finish(seq, "length") for seq in self._done_on_add]
+        deltas = [self._finish(seq) for seq in self._done_on_add]
         self._done_on_add = []
         admitted, moves = self.scheduler.schedule()
         self._apply_moves(moves)
@@ -174,7 +175,11 @@ class Engine:
             self._apply_moves(moves)
         return deltas
 
-    def _finish(self, seq: Sequence, reason: str) -> TokenDelta:
+    def _finish(self, seq: Sequence) -> TokenDelta:
+        """Finish a resumed request that arrived with nothing left to generate."""
+        last = seq.request.output_ids[-1]
+        reason = ("eos" if last == self.eos_token_id else "stop" if last in seq.stop_ids
+                  else "length")
         seq.request.finish_reason = reason
         del self._live[seq.request_id]
         return TokenDelta(seq.request_id, [], [], reason)
