@@ -162,3 +162,48 @@ def test_cli_local_calibration_predicts_every_mode(tmp_path):
     assert simulate_main(["--calibration", str(cal), "--quick", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert set(data["throughput_by_mode"]) == set(paper.MODES)
+
+
+def test_tool_call_pauses_a_trajectory_without_holding_the_batch():
+    c = DecodeCurve(0.01, 0.0, 0.0)
+    r = Replica(0, c, 10**6, 64, lambda t, s: 0.0)
+    agent = traj(0, 100)
+    agent.tool_at, agent.tool_s = (50,), (1.0,)
+    plain = traj(1, 120)
+    r.add(0.0, [agent, plain])
+    finished = {}
+    while (t := r.next_time()) is not None:
+        if 0.6 < t < 1.4:  # during the call: out of the batch and its KV, still the replica's
+            assert agent.state == 4 and r.n_running == 1 and r.num_reqs == 2
+            assert r.kv == plain.prompt_len + (r.step - plain.admit_step)
+        for tr in r.advance_to(t):
+            finished[tr.traj_id] = t
+    assert finished[1] == pytest.approx(1.2)  # never waited for the tool call
+    assert finished[0] == pytest.approx(0.5 + 1.0 + 0.5)  # decode, tool, decode
+    assert r.generated == 220
+
+
+def test_a_trajectory_moved_during_a_tool_call_keeps_waiting_for_its_result():
+    c = DecodeCurve(0.01, 0.0, 0.0)
+    a, b = (Replica(i, c, 10**6, 64, lambda t, s: 0.0) for i in range(2))
+    agent = traj(0, 100)
+    agent.tool_at, agent.tool_s = (50,), (1.0,)
+    a.add(0.0, [agent])
+    _, moved = a.abort_all(0.8)  # the call started at 0.5 and returns at 1.5
+    assert moved == [agent] and agent.done == 50 and a.is_idle
+    b.add(0.8, moved)
+    assert b.num_reqs == 1 and b.next_time() == pytest.approx(1.5)
+    while (t := b.next_time()) is not None:
+        b.advance_to(t)
+    assert agent.state == 2 and b.t == pytest.approx(2.0)
+
+
+def test_agentic_workload_runs_every_mode_and_conserves_tokens():
+    from laminar.sim.calibration import Calibration
+    from laminar.sim.run import simulate
+
+    cal = Calibration(decode_quantum=64, tool_calls_max=4, tool_median_s=5.0)
+    for mode in paper.MODES:
+        r = simulate(mode, "72b", 64, cal, warmup=1, measure=1)
+        t = r.tokens
+        assert t["generated"] == t["trained"] + t["buffered"] + t["in_flight"] + t["discarded"]

@@ -46,6 +46,11 @@ class Calibration:
     the smallest-scale points, where Table 2 makes every system trainer-bound (e.g. 72B @ 64,
     32B @ 32), land near the paper."""
 
+    partial_trainer_mfu: float = 0.25
+    """AReaL's trainer is Megatron-LM, not FSDP (§8.1), so its MFU is its own. The paper's
+    7B @ 32 point bounds it: AReaL with 16 trainer GPUs (54.9k tokens/s) stays below laminar
+    with 24 (66.6k), which needs a lower per-GPU training rate than laminar's."""
+
     # --- verl-based baselines (sync, one_step, stream) -------------------------------------
     controller_us_per_token: float = 15.0
     """Serial work per prompt+response token at the global barrier of the verl-based
@@ -62,6 +67,11 @@ class Calibration:
     prompt_median: float = 200.0
     """Median prompt tokens (DAPO-Math prompts with the template; max 2K per §8.1)."""
     prompt_sigma: float = 0.4
+    tool_calls_max: int = 0
+    """Agentic workload: each trajectory makes 0..this many tool calls (uniform), evenly
+    spaced through its response; 0 = the single-turn math workload of Fig. 11."""
+    tool_median_s: float = 2.0  # tool-call latency, log-normal (Fig. 2 right: skewed)
+    tool_sigma: float = 1.0
 
     # --- laminar ----------------------------------------------------------------------------
     inflight_batches: float = 1.0

@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "markdown file (docs/simulator.md) from a fresh grid run")
     p.add_argument("--calibration", metavar="JSON", help="calibration overrides; a `local` "
                    "block simulates a measured machine instead of the paper's testbed")
+    p.add_argument("--tool-calls", type=int, default=None, metavar="N",
+                   help="agentic workload: up to N tool calls per trajectory (default 0)")
+    p.add_argument("--tool-latency", type=float, default=None, metavar="S",
+                   help="median tool-call latency in seconds (log-normal, sigma 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="fewer updates, coarser steps (~1 min)")
     p.add_argument("--out", metavar="JSON", help="write the results here")
@@ -71,6 +75,14 @@ def _run(args: argparse.Namespace) -> int:
             cal, local = Calibration.from_json(args.calibration)
         except (OSError, ValueError, TypeError) as e:
             raise _BadArgs(f"--calibration {args.calibration}: {e}") from e
+    if args.tool_calls is not None:
+        if args.tool_calls < 0:
+            raise _BadArgs(f"--tool-calls {args.tool_calls}: must be >= 0")
+        cal = cal.with_overrides(tool_calls_max=args.tool_calls)
+    if args.tool_latency is not None:
+        if args.tool_latency <= 0:
+            raise _BadArgs(f"--tool-latency {args.tool_latency}: must be > 0 seconds")
+        cal = cal.with_overrides(tool_median_s=args.tool_latency)
     warmup, measure = (QUICK_WARMUP, QUICK_MEASURE) if args.quick else (WARMUP, MEASURE)
     if args.quick:
         cal = cal.with_overrides(decode_quantum=max(cal.decode_quantum, 32))

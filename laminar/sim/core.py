@@ -23,7 +23,7 @@ from typing import Any
 from laminar.sim import costs, paper
 from laminar.sim.calibration import Calibration
 from laminar.sim.costs import DecodeCurve, ModelSpec
-from laminar.sim.replica import RUNNING, Replica
+from laminar.sim.replica import Replica
 from laminar.sim.workload import LengthDistribution, Traj, Workload
 
 TrainFn = Callable[[float, float, int, int], float]  # (tokens, sum_sq, n_steps, gpus) -> s
@@ -72,8 +72,9 @@ class Setup:
 
     def make_workload(self) -> Workload:
         c = self.cal
+        tools = (c.tool_calls_max, c.tool_median_s, c.tool_sigma) if c.tool_calls_max else None
         return Workload(self.lengths, self.samples, c.group_corr, c.prompt_median,
-                        c.prompt_sigma, seed=self.seed)
+                        c.prompt_sigma, tool_calls=tools, seed=self.seed)
 
     def train_time(self, trajs: Iterable[Traj], n_steps: int, gpus: int | None = None) -> float:
         tokens = sq = 0.0
@@ -93,6 +94,7 @@ def paper_setup(mode: str, model: str, gpus: int, cal: Calibration | None = None
     total, trainer, rollout = paper.allocation(mode, model, gpus)
     m: ModelSpec = costs.QWEN25[model]
     tp = paper.rollout_tp(mode, model)
+    mfu = cal.partial_trainer_mfu if mode == "partial" else cal.trainer_mfu
     prefill_flops = m.params * 2.0 / (tp * costs.GPU_BF16_FLOPS * cal.prefill_mfu)
     return Setup(
         mode=mode, model=model, gpus=total, trainer_gpus=trainer, rollout_gpus=rollout, tp=tp,
@@ -101,7 +103,7 @@ def paper_setup(mode: str, model: str, gpus: int, cal: Calibration | None = None
         kv_capacity=costs.kv_capacity_tokens(m, tp, cal.gpu_mem_util, cal.activation_reserve_gb),
         prefill_tok_s=prefill_flops,
         prefill_sq_s=2.0 * m.layers * m.hidden / (tp * costs.GPU_BF16_FLOPS * cal.prefill_mfu),
-        train_fn=lambda tok, sq, steps, g: costs.train_s(m, g, tok, sq, steps, cal.trainer_mfu),
+        train_fn=lambda tok, sq, steps, g: costs.train_s(m, g, tok, sq, steps, mfu),
         sync_s=costs.global_sync_s(m, rollout),
         push_s=costs.actor_push_s(m),
         broadcast_s=costs.relay_broadcast_s(m, max(1, rollout // paper.GPUS_PER_MACHINE)),
@@ -201,8 +203,8 @@ def finish_result(setup: Setup, ledger: Ledger, replicas: list[Replica], buffere
     """Summarise a run. `buffered`: finished trajectories the trainer has not consumed;
     `held`: unfinished ones the schedule holds off-replica (e.g. during a weight swap)."""
     in_flight = sum(tr.done for tr in held)
-    in_flight += sum(tr.done for r in replicas for tr in r.waiting)
-    in_flight += sum(tr.admit_done for r in replicas for tr in r.running if tr.state == RUNNING)
+    in_flight += sum(tr.done for r in replicas for tr in list(r.waiting) + r.in_tool)
+    in_flight += sum(tr.admit_done for r in replicas for tr in r.live())
     generated = sum(r.generated for r in replicas)
     progress = sum(r.in_progress_tokens() for r in replicas)
     n = ledger.num_updates

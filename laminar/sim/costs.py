@@ -147,15 +147,17 @@ def roofline_batch(curve: DecodeCurve, ctx: int, factor: float) -> int:
 def train_s(m: ModelSpec, gpus: int, tokens: float, sum_sq: float, n_steps: int,
             mfu: float) -> float:
     """Trainer time for trajectories with `tokens` prompt+response tokens in total and
-    `sum_sq` = sum of squared lengths. FLOPs: forward+backward (6P) plus the old-log-prob
-    forward (2P) per token, and causal attention; each optimizer step also all-gathers and
-    reduce-scatters the FSDP shards (3x the weights per GPU), over NVLink within a machine."""
+    `sum_sq` = sum of squared lengths, in `n_steps` optimizer steps. FLOPs: forward+backward
+    (6P) plus the old-log-prob forward (2P) per token, and causal attention. Each step also
+    all-gathers and reduce-scatters the FSDP shards (3x the weights through every GPU's link:
+    NVLink within a machine, the network across); prefetching overlaps that traffic with
+    compute, so a step costs whichever is longer."""
     flops = 8.0 * m.params * tokens + 8.0 * m.layers * m.hidden * sum_sq
     compute = flops / (gpus * GPU_BF16_FLOPS * mfu)
     if gpus <= 1:
         return compute
     bw = NVLINK_BYTES_PER_S if gpus <= paper.GPUS_PER_MACHINE else NET_BYTES_PER_S_PER_GPU
-    return compute + n_steps * 3.0 * m.weight_bytes / bw
+    return n_steps * max(compute / n_steps, 3.0 * m.weight_bytes / bw)
 
 
 # --- weight movement --------------------------------------------------------------------

@@ -64,11 +64,21 @@ class Traj:
     finish_step: int = 0
     admit_step: int = 0
     admit_done: int = 0
-    state: int = 0  # 0 waiting, 1 running, 2 finished, 3 removed
+    serial: int = 0  # the replica's admission serial (validates its lazy entries)
+    state: int = 0  # 0 waiting, 1 running, 2 finished, 3 removed, 4 in a tool call
+    tool_at: tuple[int, ...] = ()  # response lengths at which it calls a tool (ascending)
+    tool_s: tuple[float, ...] = ()  # each call's latency in seconds
+    tool_i: int = 0  # calls made so far
+    t_tool_return: float = -1.0  # while in a tool call: when the result comes back
 
     @property
     def tokens(self) -> int:
         return self.prompt_len + self.target
+
+    @property
+    def next_stop(self) -> int:
+        """Response length at which it next leaves the decode batch (tool call or end)."""
+        return self.tool_at[self.tool_i] if self.tool_i < len(self.tool_at) else self.target
 
 
 @dataclass(slots=True)
@@ -79,7 +89,7 @@ class Workload:
     prompt_median: float = 200.0
     prompt_sigma: float = 0.4
     max_prompt: int = 2048
-    tool_calls: tuple[int, float, float] | None = None  # (max calls, median s, sigma)
+    tool_calls: tuple[int, float, float] | None = None  # (max calls, median s, log sigma)
     seed: int = 0
     _rng: np.random.Generator = field(init=False, repr=False)
     _next_group: int = field(default=0, init=False)
@@ -104,14 +114,18 @@ class Workload:
             self._next_group += 1
             members = []
             for k in range(s):
-                members.append(Traj(self._next_traj, gid, int(prompts[g]), int(targets[g, k]),
-                                    t_created=now))
+                tr = Traj(self._next_traj, gid, int(prompts[g]), int(targets[g, k]), t_created=now)
+                if self.tool_calls is not None:
+                    self._add_tool_calls(tr)
+                members.append(tr)
                 self._next_traj += 1
             out.append(members)
         return out
 
-    def tool_latencies(self, n: int) -> np.ndarray:
-        """Seconds of n tool calls (log-normal), for the optional agentic workload."""
-        assert self.tool_calls is not None
-        _, median, sigma = self.tool_calls
-        return median * np.exp(sigma * self._rng.standard_normal(n))
+    def _add_tool_calls(self, tr: Traj) -> None:
+        """0..max calls (uniform), evenly spaced through the response, log-normal latency."""
+        max_calls, median, sigma = self.tool_calls  # type: ignore[misc]
+        k = int(self._rng.integers(0, max_calls + 1))
+        at = sorted({round(tr.target * (i + 1) / (k + 1)) for i in range(k)} - {0, tr.target})
+        tr.tool_at = tuple(at)
+        tr.tool_s = tuple(float(x) for x in median * np.exp(sigma * self._rng.standard_normal(len(at))))
