@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from laminar.relay.store import (WeightStore, cleanup, layout, open_latest, read_latest_version,
-                                 segment_path)
+from laminar.relay.store import ShmReader, WeightStore, cleanup, layout, read_latest_version
 
 SHM = "/dev/shm"
 
@@ -46,18 +45,35 @@ def put_version(store: WeightStore, version: int, nbytes: int = 1 << 20, chunk: 
 
 def test_a_published_version_reads_back_with_its_index(prefix):
     store = WeightStore(SHM, prefix, keep_versions=2)
+    reader = ShmReader(SHM, prefix)
     try:
-        assert read_latest_version(SHM, prefix) is None and open_latest(SHM, prefix) is None
+        assert read_latest_version(SHM, prefix) is None and reader.open_latest() is None
         put_version(store, 3)
-        assert read_latest_version(SHM, prefix) == 3
-        with open_latest(SHM, prefix) as snap:
+        assert read_latest_version(SHM, prefix) == reader.newest_version() == 3
+        with reader.open_latest() as snap:
             assert snap.version == 3
             assert [t.name for t in snap.header.tensors] == ["a", "b"]
             assert snap.header.tensors[1].offset % 64 == 0
             assert snap.verify() == []
             assert set(np.frombuffer(snap.data, dtype=np.uint8)) == {3}
-        assert open_latest(SHM, prefix, newer_than=3) is None
+        assert reader.open_latest(newer_than=3) is None
     finally:
+        reader.close()
+        store.close()
+
+
+def test_slots_are_reused_instead_of_new_files_per_version(prefix):
+    store = WeightStore(SHM, prefix, keep_versions=2)
+    reader = ShmReader(SHM, prefix)
+    try:
+        for v in range(1, 8):
+            put_version(store, v)
+            with reader.open_latest() as snap:
+                assert snap.version == v and snap.verify() == []
+        assert store.versions() == [6, 7]
+        assert sorted(p.name for p in Path(SHM).glob(f"{prefix}.s*")) == [f"{prefix}.s0", f"{prefix}.s1"]
+    finally:
+        reader.close()
         store.close()
 
 
@@ -77,9 +93,10 @@ def test_only_complete_versions_can_be_published(prefix):
 def _reader(prefix: str, seconds: float, out: mp.Queue) -> None:
     reads, versions, errors = 0, set(), []
     last = -1
+    reader = ShmReader(SHM, prefix)
     end = time.time() + seconds
     while time.time() < end:
-        snap = open_latest(SHM, prefix)
+        snap = reader.open_latest()
         if snap is None:
             continue
         with snap:
@@ -117,16 +134,20 @@ def test_a_reader_always_sees_a_complete_version_while_newer_ones_are_written(pr
 
 
 def _holder(prefix: str, held: mp.Event, release: mp.Event, out: mp.Queue) -> None:
-    snap = open_latest(SHM, prefix)
-    view = np.frombuffer(snap.data, dtype=np.uint8)  # a live view: the version must stay held
+    snap = ShmReader(SHM, prefix).open_latest()
+    view = np.frombuffer(snap.data, dtype=np.uint8)
     held.set()
-    release.wait(30)
+    release.wait(30)  # meanwhile the owner writes three newer versions
     out.put((snap.version, bool((view == snap.version % 251).all()), snap.verify()))
     del view
     snap.close()
 
 
-def test_versions_a_reader_holds_are_kept_and_freed_after_release(prefix):
+def slot_files(prefix: str) -> list[str]:
+    return sorted(p.name for p in Path(SHM).glob(f"{prefix}.s*"))
+
+
+def test_versions_a_reader_holds_are_kept_intact_and_released_after(prefix):
     store = WeightStore(SHM, prefix, keep_versions=2)
     ctx = mp.get_context("spawn")
     held, release, out = ctx.Event(), ctx.Event(), ctx.Queue()
@@ -137,16 +158,16 @@ def test_versions_a_reader_holds_are_kept_and_freed_after_release(prefix):
         assert held.wait(30)
         for v in (2, 3, 4):
             put_version(store, v)
-        # v1 is held, v2 is beyond the K=2 newest and free: it goes, v1 stays
-        assert store.versions() == [1, 3, 4]
+        # K=2 versions are offered; v1's slot is held, so a third slot took its turn
+        assert store.versions() == [3, 4]
         assert store.held_versions() == [1]
-        assert segment_path(SHM, prefix, 1).exists() and not segment_path(SHM, prefix, 2).exists()
+        assert len(slot_files(prefix)) == 3
         release.set()
         version, intact, bad_chunks = out.get(timeout=30)
         holder.join(30)
         assert (version, intact, bad_chunks) == (1, True, [])
-        assert store.collect() == [1]
-        assert store.versions() == [3, 4]
+        store.collect()
+        assert len(slot_files(prefix)) == 2 and store.held_versions() == []
     finally:
         store.close()
 
@@ -154,14 +175,13 @@ def test_versions_a_reader_holds_are_kept_and_freed_after_release(prefix):
 def test_a_new_store_removes_files_a_killed_owner_left_behind(prefix):
     store = WeightStore(SHM, prefix)
     put_version(store, 1)
-    # simulate SIGKILL: the owner's files stay, nothing closed them
+    # as after SIGKILL: the owner's files stay, nothing closed them
     leftovers = sorted(p.name for p in Path(SHM).glob(f"{prefix}.*"))
-    assert leftovers == [f"{prefix}.latest", f"{prefix}.v1"]
+    assert leftovers == [f"{prefix}.latest", f"{prefix}.s0"]
     again = WeightStore(SHM, prefix)
     assert not list(Path(SHM).glob(f"{prefix}.*"))
     again.close()
-    for buf_version in store.versions():  # release the first owner's mappings
-        store.get(buf_version).close()
+    store.close()
 
 
 def test_store_rejects_bad_settings(prefix, tmp_path):

@@ -8,19 +8,22 @@
     puller.pull_latest(engine)                    # -> 7, or None if nothing newer than last time
 
 Parts:
-- `stage_version`: write named tensors into a version file in shared memory (one copy, from
-  the GPU this is the device-to-host copy) with a crc32 per chunk.
-- `Pusher`: stages the version next to the master relay and asks the master to adopt it (a
-  rename, no copy), so the trainer's stall is one copy plus one round trip whatever the chain
-  length. A master on another machine is fed over the chain transport instead. If the master
-  is dead, the next live relay of the chain becomes master (`plan.choose_master`).
-- `Puller` / `PulledVersion`: map the newest complete version read-only and hand out named
-  tensors that are zero-copy views of shared memory, for `engine.load_weights(named, version)`
-  or a copy into `model.state_dict()` (to a GPU: the host-to-device copy).
+- `prepare_version` / `write_version`: lay named tensors out as one flat buffer and copy them
+  in (one copy; from a GPU this is the device-to-host copy) with a crc32 per chunk.
+- `Pusher`: asks the master relay for a slot, writes the version straight into it (the
+  mapping is kept across pushes, so no page is faulted in twice) and has the master publish
+  it: the trainer's stall is one copy plus two round trips, whatever the chain length. A
+  master on another machine is fed over the chain transport instead. If the master is dead,
+  the next live relay of the chain becomes master (`plan.choose_master`).
+- `Puller` / `PulledVersion`: hold the newest complete version of the local relay and hand out
+  named tensors that are zero-copy views of shared memory, for
+  `engine.load_weights(named, version)` or a copy into `model.state_dict()` (to a GPU: the
+  host-to-device copy).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 import warnings
@@ -35,42 +38,48 @@ import torch
 from laminar.config import RelayConfig
 from laminar.relay.chain import ROLE_FEED, Inbox, LinkError, call, connect, feed_version, make_transport
 from laminar.relay.plan import ChainPlan, RelayInfo, choose_master
-from laminar.relay.store import (Snapshot, WeightStore, checksums, finish_segment, layout, open_latest,
-                                 read_latest_version, write_segment)
+from laminar.relay.store import (ShmReader, Snapshot, VersionHeader, WeightStore, checksums, layout,
+                                 write_header)
 
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+def prepare_version(named_tensors: Mapping[str, Any], version: int,
+                    chunk_bytes: int) -> tuple[VersionHeader, list[torch.Tensor]]:
+    """The header (layout, no checksums yet) and the tensors, torch or numpy, as torch."""
+    tensors = [v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v))
+               for v in named_tensors.values()]
+    header = layout(((k, _dtype_name(t), tuple(t.shape)) for k, t in zip(named_tensors, tensors)),
+                    version, chunk_bytes)
+    return header, tensors
 
 
-def stage_version(named_tensors: Mapping[str, Any], version: int, directory: str | Path, name: str,
-                  chunk_bytes: int) -> Path:
-    """Write tensors (torch, or numpy arrays) into a new version file `directory/name`."""
-    tensors = {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v))
-               for k, v in named_tensors.items()}
-    header = layout(((k, _dtype_name(t), tuple(t.shape)) for k, t in tensors.items()), version, chunk_bytes)
-    path = Path(directory) / name
-    mm, data, fd = write_segment(path, header)
-    flat = None
-    try:
-        flat = torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
-        for entry, t in zip(header.tensors, tensors.values()):
-            flat[entry.offset:entry.offset + entry.nbytes].copy_(_as_bytes(t))
-        header.checksums = checksums(data, header)
-        finish_segment(mm, header)
-    except BaseException:
-        os.unlink(path)
-        raise
-    finally:
-        del flat
-        data.release()
-        mm.close()
-        os.close(fd)
-    return path
+def write_version(data: memoryview, header: VersionHeader, tensors: list[torch.Tensor]) -> None:
+    """Copy tensors into a version's flat buffer (from a GPU: the device-to-host copy) and
+    compute the per-chunk checksums into `header`."""
+    flat = torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
+    for entry, t in zip(header.tensors, tensors):
+        flat[entry.offset:entry.offset + entry.nbytes].copy_(
+            t.detach().contiguous().reshape(-1).view(torch.uint8))
+    del flat
+    header.checksums = checksums(data, header)
+
+
+class _SlotWriter:
+    """A pusher's mapping of one of the master's slots, kept across pushes."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_RDWR)
+        st = os.fstat(self.fd)
+        self.ino, self.size = st.st_ino, st.st_size
+        self.mm = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def close(self) -> None:
+        self.mm.close()
+        os.close(self.fd)
 
 
 @dataclass(slots=True)
@@ -93,6 +102,7 @@ class Pusher:
         self.dead: set[str] = set()
         self.transport = make_transport(self.cfg.transport, self.cfg.timeout_s)
         self._remote_store: WeightStore | None = None  # staging store when the master is remote
+        self._writers: dict[Path, _SlotWriter] = {}  # mappings of the master's slots
 
     @property
     def master(self) -> str | None:
@@ -102,48 +112,56 @@ class Pusher:
         """Put `version` into the master relay's memory and return; the chain broadcast goes on
         without the caller. A dead master is replaced by the next live relay of the chain."""
         start = time.perf_counter()
+        header, tensors = prepare_version(state_dict, version, self.cfg.chunk_bytes)
         failed: list[str] = []
-        staged: Path | None = None
-        try:
-            while (master := self.master) is not None:
-                info = self.plan.relays[master]
-                try:
-                    if info.node == self.node:
-                        # a master that died while adopting may have taken the file with it
-                        if staged is None or not staged.exists():
-                            staged = stage_version(state_dict, version, self.cfg.shm_dir,
-                                                   f"lam-push-{os.getpid()}.v{version}",
-                                                   self.cfg.chunk_bytes)
-                        call(self.transport, info.address, self.secret, "adopt",
-                             version=version, path=str(staged))
-                        staged = None  # renamed into the master's store
-                    else:
-                        self._feed_remote(info, state_dict, version)
-                    return PushResult(version, master, time.perf_counter() - start, failed)
-                except LinkError:
-                    self.dead.add(master)
-                    failed.append(master)
-            raise RuntimeError(f"no live relay to push version {version} to; the chain "
-                               f"{list(self.plan.order)} is all dead")
-        finally:
-            if staged is not None and staged.exists():
-                staged.unlink()
+        while (master := self.master) is not None:
+            info = self.plan.relays[master]
+            try:
+                if info.node == self.node:
+                    self._push_local(info, header, tensors)
+                else:
+                    self._push_remote(info, header, tensors)
+                return PushResult(version, master, time.perf_counter() - start, failed)
+            except LinkError:
+                self.dead.add(master)
+                failed.append(master)
+        raise RuntimeError(f"no live relay to push version {version} to; the chain "
+                           f"{list(self.plan.order)} is all dead")
 
     def set_plan(self, plan: ChainPlan) -> None:
         self.plan = plan
         self.dead &= set(plan.order)
 
-    def _feed_remote(self, info: RelayInfo, state_dict: Mapping[str, Any], version: int) -> None:
+    def _push_local(self, info: RelayInfo, header: VersionHeader, tensors: list[torch.Tensor]) -> None:
+        """Write straight into a slot the master reserved, then have it publish: one copy."""
+        reply = call(self.transport, info.address, self.secret, "reserve", header=header.to_bytes().decode())
+        path = Path(reply["slot"])
+        w = self._writers.get(path)
+        if w is None or os.stat(path).st_ino != w.ino or w.size < header.file_size:
+            if w is not None:
+                w.close()
+            w = self._writers[path] = _SlotWriter(path)
+        data = memoryview(w.mm)[header.data_offset:header.file_size]
+        try:
+            write_version(data, header, tensors)
+        finally:
+            data.release()
+        write_header(w.mm, header)
+        call(self.transport, info.address, self.secret, "commit", version=header.version)
+
+    def _push_remote(self, info: RelayInfo, header: VersionHeader, tensors: list[torch.Tensor]) -> None:
+        """The master is on another machine: stage the version locally, feed it over the chain
+        transport; returns once the master holds it."""
         if self._remote_store is None:
-            self._remote_store = WeightStore(self.cfg.shm_dir, f"lam-push-{os.getpid()}-store", 2)
+            self._remote_store = WeightStore(self.cfg.shm_dir, f"lam-push-{os.getpid()}", 2)
         store = self._remote_store
-        if store.get(version) is None:
-            staged = stage_version(state_dict, version, self.cfg.shm_dir,
-                                   f"lam-push-{os.getpid()}-store.staged", self.cfg.chunk_bytes)
-            store.adopt(staged, version)
-            store.publish(version)
+        if store.get(header.version) is None:
+            buf = store.create(header, header_final=False)
+            write_version(buf.data, header, tensors)
+            store.finish(buf, header)
+            store.publish(header.version)
         link = connect(self.transport, info.address, self.secret, ROLE_FEED)
-        buf = store.pin(version)
+        buf = store.pin(header.version)
         try:
             feed_version(link, Inbox(link), buf, self.cfg.timeout_s, heartbeat_s=self.cfg.heartbeat_s)
         finally:
@@ -151,14 +169,17 @@ class Pusher:
             link.close()
 
     def close(self) -> None:
+        for w in self._writers.values():
+            w.close()
+        self._writers.clear()
         if self._remote_store is not None:
             self._remote_store.close()
 
 
 class PulledVersion:
-    """A complete version mapped read-only. `named_tensors()` are zero-copy views of shared
-    memory: copy them (load_weights does) and do not write into them. The version stays held
-    (its relay will not free it) until `close()` and until the last view is gone."""
+    """A complete version, held (its relay will not overwrite it) until `close()`.
+    `named_tensors()` are zero-copy, read-only views of shared memory that are valid only until
+    then: copy them (load_weights does) and do not write into them."""
 
     def __init__(self, snapshot: Snapshot) -> None:
         self.snapshot = snapshot
@@ -188,15 +209,15 @@ class Puller:
 
     def __init__(self, relay: RelayInfo, cfg: RelayConfig | None = None) -> None:
         self.cfg = cfg or RelayConfig()
-        self.directory, self.prefix = self.cfg.shm_dir, relay.shm_prefix
+        self.reader = ShmReader(self.cfg.shm_dir, relay.shm_prefix)
         self.version: int | None = None  # the last version this puller delivered
 
     def newest_version(self) -> int | None:
         """The newest complete version at the local relay, without mapping or copying it."""
-        return read_latest_version(self.directory, self.prefix)
+        return self.reader.newest_version()
 
     def open_latest(self, newer_than: int | None = None) -> PulledVersion | None:
-        snap = open_latest(self.directory, self.prefix, newer_than)
+        snap = self.reader.open_latest(newer_than)
         return PulledVersion(snap) if snap is not None else None
 
     def pull_latest(self, target: Any, newer_than: int | None = -1) -> int | None:
@@ -216,6 +237,9 @@ class Puller:
             del named
         self.version = pulled.version
         return pulled.version
+
+    def close(self) -> None:
+        self.reader.close()
 
 
 def copy_into_module(module: torch.nn.Module, named: Mapping[str, torch.Tensor]) -> None:

@@ -9,7 +9,8 @@ Parts:
   chunks it already has, so only the missing ones travel.
 - Control (the same methods over the TCP control channel or as Ray actor methods): `set_plan`,
   `publish` (master: write a state dict into the store; returns once it is there),
-  `adopt` (a trainer on this machine wrote the version file itself), `latest`, `heartbeat`,
+  `reserve` / `commit` (a trainer on this machine writes the version into a slot itself),
+  `latest`, `heartbeat`,
   `send_to` (push the newest version to given relays one after the other: the star baseline
   and an explicit catch-up), `stop`.
 - `RelayActor` / `start_relay_actor` / `RelayGroup`: the Ray edge. One actor per node, a
@@ -37,7 +38,7 @@ from laminar.config import RelayConfig
 from laminar.relay.chain import (PING, ROLE_CONTROL, ROLE_FEED, Inbox, LinkError, connect, feed_version,
                                  handshake_server, make_transport, serve_feed, serve_requests)
 from laminar.relay.plan import ChainPlan, RelayInfo, choose_master, repair
-from laminar.relay.store import WeightStore, cleanup
+from laminar.relay.store import VersionHeader, WeightStore, cleanup
 
 log = logging.getLogger("laminar.relay")
 
@@ -88,22 +89,28 @@ class Relay:
     def publish(self, named_tensors: Mapping[str, Any], version: int) -> dict[str, Any]:
         """Write a state dict into this relay's store and publish it; the version is then in
         this relay's memory and forwarding starts in the background."""
-        from laminar.relay.client import stage_version  # torch stays out of plain relays
+        from laminar.relay.client import prepare_version, write_version  # torch stays out of plain relays
 
-        path = stage_version(named_tensors, version, self.cfg.shm_dir,
-                             f"{self.store.prefix}.staged-{version}", self.cfg.chunk_bytes)
-        return self.adopt(version, str(path))
+        header, tensors = prepare_version(named_tensors, version, self.cfg.chunk_bytes)
+        buf = self.store.create(header, header_final=False)
+        write_version(buf.data, header, tensors)
+        self.store.finish(buf, header)
+        return self._publish(version)
 
-    def adopt(self, version: int, path: str) -> dict[str, Any]:
-        """Take over a complete version file a process on this machine wrote and publish it."""
-        staged = Path(path)
-        if staged.parent.resolve() != self.store.directory.resolve():
-            raise ValueError(f"staged file '{path}' is not in this relay's shm_dir "
-                             f"'{self.store.directory}'")
-        buf = self.store.adopt(staged, version)
+    def reserve(self, header: str) -> dict[str, Any]:
+        """A process on this machine (the trainer) will write a version: give it a slot."""
+        buf = self.store.create(VersionHeader.from_bytes(header.encode()), header_final=False)
+        return {"slot": str(buf.path)}
+
+    def commit(self, version: int) -> dict[str, Any]:
+        """The process that reserved a slot for `version` wrote it: publish it."""
+        self.store.finish_from_slot(version)
+        return self._publish(version)
+
+    def _publish(self, version: int) -> dict[str, Any]:
+        self.completed_at[version] = time.time()  # before readers can see it
         self.store.publish(version)
-        self.completed_at[version] = buf.completed_at or time.time()
-        return {"version": version, "published_at": buf.published_at}
+        return {"version": version, "completed_at": self.completed_at[version]}
 
     def latest(self) -> dict[str, Any] | None:
         buf = self.store.latest()
@@ -183,7 +190,7 @@ class Relay:
             link.close()
 
     def _handle(self, op: str, args: dict[str, Any]) -> Any:
-        if op not in ("set_plan", "adopt", "latest", "heartbeat", "send_to", "stop"):
+        if op not in ("set_plan", "reserve", "commit", "latest", "heartbeat", "send_to", "stop"):
             raise ValueError(f"unknown relay request '{op}'")
         if op == "stop":
             threading.Thread(target=self.stop, daemon=True).start()
