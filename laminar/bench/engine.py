@@ -84,6 +84,22 @@ def run_native(model, workload, max_batch: int, no_eos: int) -> dict:
                 preempted=engine.scheduler.num_preempted)
 
 
+def attention_padding(model, workload, max_batch: int, no_eos: int) -> float:
+    """Untimed probe: decode-attention work read over padded lengths (rows x longest row, what
+    the slot buffer makes each step read) divided by the real cached tokens."""
+    engine = Engine(model, no_eos, PAD_ID, max_batch_size=max_batch)
+    for request in make_requests(workload):
+        engine.add(request)
+    padded = real = 0
+    while engine.has_unfinished():
+        lengths = [seq.num_tokens for seq in engine.scheduler.running]  # next step's decode rows
+        if lengths:
+            padded += len(lengths) * max(lengths)
+            real += sum(lengths)
+        engine.step()
+    return padded / real
+
+
 def run_static(model, workload, max_batch: int, no_eos: int) -> dict:
     engine = HFEngine(model, no_eos, PAD_ID, max_batch_size=max_batch)
     requests = make_requests(workload)
@@ -165,6 +181,7 @@ def bench_preset(preset: str, num_requests: int, repeats: int, latency_steps: in
                   for b in BATCH_SIZES}
     static_lat = {str(b): static_decode_latency(model, b, no_eos, latency_steps)
                   for b in BATCH_SIZES}
+    padding = attention_padding(model, workload, MAX_BATCH_SIZE, no_eos)
     ratio = static_s / native_s
     ideal = static_steps / ideal_steps
     return dict(
@@ -176,7 +193,7 @@ def bench_preset(preset: str, num_requests: int, repeats: int, latency_steps: in
         native_cpu_seconds=native_cpu, static_cpu_seconds=static_cpu,
         ratio_native_vs_static_cpu=static_cpu / native_cpu,
         native_steps=native_runs[0]["steps"], static_steps=static_steps, ideal_steps=ideal_steps,
-        native_preempted=native_runs[0]["preempted"],
+        native_preempted=native_runs[0]["preempted"], decode_attention_padding=padding,
         decode_latency_ms_by_batch={b: v[0] for b, v in native_lat.items()},
         decode_wall_ms_by_batch={b: v[1] for b, v in native_lat.items()},
         static_decode_latency_ms_by_batch={b: v[0] for b, v in static_lat.items()},
@@ -220,6 +237,7 @@ def print_report(results: list[dict]) -> None:
 def main(quick: bool = False, out: str | None = None) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
+    load_before = os.getloadavg()[0]
     try:
         if quick:
             results = [bench_preset("tiny", num_requests=256, repeats=1, latency_steps=12)]
@@ -229,7 +247,11 @@ def main(quick: bool = False, out: str | None = None) -> dict:
     finally:
         torch.set_num_threads(threads)
     print_report(results)
-    report = {**results[0], "threads": THREADS, "presets": {r["preset"]: r for r in results}}
+    # other processes on the machine inflate wall times (not CPU times): keep the evidence
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    print(f"load average (1 min) before/after: {load[0]} / {load[1]} on {os.cpu_count()} CPUs")
+    report = {**results[0], "threads": THREADS, "load_average_before_after": load,
+              "presets": {r["preset"]: r for r in results}}
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=2))
@@ -241,8 +263,9 @@ def main(quick: bool = False, out: str | None = None) -> dict:
 #   python -m laminar.bench.engine --history 8c44aa7 HEAD --preset small
 #
 # Each revision's `laminar/` is exported with `git archive` and timed in its own subprocess on
-# the same workload, revisions alternating `repeats` times (the machine is shared: only
-# comparisons inside one run mean anything). The snippet uses only APIs every revision has.
+# the same workload (best of 3 runs inside the process; 1 for the slow static backend),
+# revisions alternating `repeats` times and the medians compared: the machine is shared, only
+# comparisons inside one run mean anything. The snippet uses only APIs every revision has.
 
 _HISTORY_SNIPPET = r"""
 import sys, time, torch
@@ -267,8 +290,8 @@ def run(work):
     assert [len(r.output_ids) for r in reqs] == [k for _, k in work]
     return time.perf_counter() - start, time.process_time() - cpu
 run(work[:64])
-wall, cpu = run(work)
-print(sum(k for _, k in work), wall, cpu)
+times = [run(work) for _ in range(int(sys.argv[4]))]
+print(sum(k for _, k in work), min(t[0] for t in times), min(t[1] for t in times))
 """
 
 
@@ -290,16 +313,17 @@ def history(revisions: list[str], preset: str, num_requests: int, repeats: int) 
         for _ in range(repeats):
             for name, backend, tree in variants:
                 env = {**os.environ, "PYTHONPATH": str(tree)}
+                timed_runs = "3" if backend == "native" else "1"
                 out = subprocess.run([sys.executable, "-c", _HISTORY_SNIPPET, backend, preset,
-                                      str(num_requests)], env=env, check=True,
+                                      str(num_requests), timed_runs], env=env, check=True,
                                      capture_output=True, text=True).stdout.split()
                 tokens = int(out[0])
                 runs.setdefault(name, []).append((tokens / float(out[1]), tokens / float(out[2])))
-    base = statistics.median(r[0] for r in runs[revisions[0]])
     rows = [dict(revision=name, tokens_per_s=statistics.median(r[0] for r in rs),
                  cpu_tokens_per_s=statistics.median(r[1] for r in rs)) for name, rs in runs.items()]
     for row in rows:
-        row["vs_first"] = row["tokens_per_s"] / base
+        row["vs_first"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+        row["cpu_vs_first"] = row["cpu_tokens_per_s"] / rows[0]["cpu_tokens_per_s"]
     return rows
 
 
@@ -309,11 +333,11 @@ def _print_history(rows: list[dict], preset: str, num_requests: int) -> None:
 
     table = Table(title=f"native engine by revision ({preset}, {num_requests} requests, "
                         f"max batch {MAX_BATCH_SIZE}, 1 thread)")
-    for col in ("revision", "tok/s (wall)", "tok/s (CPU time)", "vs first"):
+    for col in ("revision", "tok/s (wall)", "vs first", "tok/s (CPU time)", "vs first (CPU)"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["revision"], f"{r['tokens_per_s']:,.0f}", f"{r['cpu_tokens_per_s']:,.0f}",
-                      f"{r['vs_first']:.2f}x")
+        table.add_row(r["revision"], f"{r['tokens_per_s']:,.0f}", f"{r['vs_first']:.2f}x",
+                      f"{r['cpu_tokens_per_s']:,.0f}", f"{r['cpu_vs_first']:.2f}x")
     Console(width=150).print(table)
 
 

@@ -15,6 +15,10 @@ with tokens already generated resumes it by re-prefilling prompt + prefix (the K
 the sampling noise is counter-based, so the continuation is the one an uninterrupted run
 would have produced).
 
+Seeds: a request's draws depend only on its seed and token index (sampler.py). `params.seed`
+pins them (two requests with the same seed and prompt draw the same tokens, so give each sample
+of a GRPO group its own seed, or None); without one the engine's seeded RNG picks one at `add`.
+
 Versions: `load_weights` copies tensors into the model in place and stamps its version on every
 request admitted afterwards (a request keeps the version it started with). It refuses while a
 request that already has tokens from the loaded weights is in the engine, unless forced; a forced

@@ -9,12 +9,14 @@ One call is one engine step, decode and prefill together in a single pass:
   already generated when resuming).
 Every token-wise op (norms, projections, rotary, MLP) runs once over the flat list of all the
 step's tokens; only attention splits: decode rows attend over their slot's cached keys (a view
-of the buffer, masked by length), prefill rows attend causally over their own fresh keys. Each
-step writes only its new keys and values into the buffer — nothing is re-padded or
-concatenated. Logits are computed for the last token of each row only.
+of the buffer, masked by length, as batched matmuls), prefill rows attend causally over their
+own fresh keys. Each step writes only its new keys and values into the buffer — nothing is
+re-padded or concatenated. In the last layer only each row's last token goes on (the other
+prefill tokens just leave their keys and values), and logits are computed for those alone.
 
-Parts: `_Weights` (references to the model's parameters, re-read by `refresh()` after a swap),
-`ModelRunner.run` (inputs → logits), `_attention`, `_rms_norm`. The maths mirrors
+Parts: `_LayerWeights` (references to the model's parameters, re-read by `refresh()`),
+`ModelRunner.run` (inputs → logits), `_decode_attention` / `_attention`, `_AttentionPlan` (the
+per-step masks and indices every layer shares), `check_supported`. The maths mirrors
 `transformers`' Qwen2/Llama/Qwen3/Mistral modules op for op (RMSNorm in float32, rotary from
 the model's own rotary module), so greedy decoding matches `generate` token for token.
 """
