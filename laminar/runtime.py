@@ -143,6 +143,24 @@ class Runtime:
 
         return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
 
+    def add_worker(self) -> tuple[str, Any]:
+        """Elasticity: start one more rollout worker on the next (virtual) node and register it
+        with the manager. The caller starts its loop (e.g. `run_free`). It begins with the
+        starting weights and pulls the newest version from its relay before generating."""
+        from laminar.rollout.worker import RolloutWorker
+
+        wid = f"rollout{len(self.placement.worker_relay)}"
+        relay_id = self.placement.relay_ids[len(self.placement.worker_relay) % len(self.placement.relay_ids)]
+        self.placement.worker_relay[wid] = relay_id
+        handle = ray.remote(RolloutWorker).options(
+            num_cpus=0, max_concurrency=8, **self._pin(self.placement.relay_node[relay_id])).remote(
+            wid, self.cfg, self.model_dir, self.relays.infos[relay_id].to_dict(), self.pools,
+            self.start_version)
+        self.wait({f"rollout worker {wid}": handle.snapshot.remote()})
+        ray.get(self.manager.add_worker.remote(wid, handle))
+        self.workers[wid] = handle
+        return wid, handle
+
     # ------------------------------------------------------------------------- waits
 
     def wait(self, refs: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 Every `manager.interval_s` it gathers each rollout's snapshot (weight version, KV tokens used
 and capacity, unfinished trajectories) and:
+- **elasticity**: `add_worker` lets a rollout join a running job; `retire` lets one leave
+  (its in-flight trajectories move to peers of the same version first);
 - **failover**: a rollout that does not answer within `cluster.heartbeat_s` x 3, or whose actor
   died, is declared dead and killed; its unfinished trajectories (from the partial response
   pool) continue on a live rollout of the same weight version (restarted from scratch if none
@@ -41,7 +43,8 @@ class RolloutManager:
         self.lock = threading.Lock()
         self.counters = {"checks": 0, "repacks": 0, "moved_trajectories": 0, "repack_s": 0.0,
                          "refused_moves": 0, "dead_workers": 0, "failover_trajectories": 0,
-                         "restarted_trajectories": 0, "returned_groups": 0}
+                         "restarted_trajectories": 0, "returned_groups": 0,
+                         "retired_workers": 0}
         self.dead: list[str] = []
 
     def run(self, repack: bool) -> dict[str, Any]:
@@ -133,24 +136,55 @@ class RolloutManager:
         except Exception:
             pass
         entries = ray.get(self.partials.owned_by.remote(dead_id))
-        by_dest: dict[str, list] = {}
-        for entry in entries:
-            state = entry.request
-            dest = next((w for w, s in live.items() if s["version"] == state.version), None)
-            if dest is None:  # nobody holds its version: restart it rather than mix versions
-                dest = next(iter(live), None)
-                state.output_ids, state.logprobs, state.version = [], [], -1
-                entry.token_versions = []
-                self.counters["restarted_trajectories"] += 1
-            if dest is not None:
-                by_dest.setdefault(dest, []).append(entry)
-        for dest, group in by_dest.items():
-            moved = [(e.request, e.group) for e in group]
-            versions = {e.request.request_id: e.token_versions for e in group}
-            if ray.get(self.workers[dest].adopt.remote(moved, versions)):
-                ray.get(self.partials.reassign.remote([e.request.request_id for e in group], dest,
-                                                      [e.request for e in group]))
-                self.counters["failover_trajectories"] += len(group)
+        self._hand_over(dead_id, [(e.request, e.group, e.token_versions) for e in entries], live)
+        self.counters["failover_trajectories"] += len(entries)
+
+    def retire(self, worker_id: str) -> int:
+        """Elasticity: a rollout leaves a running job. Its in-flight trajectories move to peers
+        of the same version; it finishes its environment calls, then stops. Returns how many
+        trajectories moved."""
+        with self.lock:
+            handle = self.workers[worker_id]
+            moved = ray.get(handle.export.remote())  # holds: no new admissions
+            deadline = time.monotonic() + self.cfg.cluster.wait_timeout_s
+            while ray.get(handle.snapshot.remote())["num_env_wait"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            ray.get(handle.stop.remote())
+            del self.workers[worker_id]
+            live = {w: ray.get(h.snapshot.remote()) for w, h in self.workers.items()}
+            self._hand_over(worker_id, [(s, g, None) for s, g in moved], live)
+            self.counters["retired_workers"] += 1
+            return len(moved)
+
+    def _hand_over(self, owner: str, entries: list[tuple[Any, Any, list[int] | None]],
+                   live: dict[str, dict[str, Any]]) -> None:
+        """Continue `owner`'s unfinished trajectories on live rollouts of the same version
+        (restarted from scratch where none holds it: a trajectory never mixes versions); its
+        untouched leases go back to the prompt pool."""
+        pending = list(entries)
+        for _ in range(3):  # a destination may change version between snapshot and adopt
+            by_dest: dict[str, list] = {}
+            for state, group, token_versions in pending:
+                dest = next((w for w, s in live.items() if s["version"] == state.version), None)
+                if dest is None and state.version != -1:
+                    state.output_ids, state.logprobs, state.version = [], [], -1
+                    token_versions = []
+                    self.counters["restarted_trajectories"] += 1
+                dest = dest or next(iter(live), None)
+                if dest is not None:
+                    by_dest.setdefault(dest, []).append((state, group, token_versions))
+            pending = []
+            for dest, group in by_dest.items():
+                moved = [(state, g) for state, g, _ in group]
+                versions = {state.request_id: tv for state, _, tv in group if tv}
+                if ray.get(self.workers[dest].adopt.remote(moved, versions)):
+                    ray.get(self.partials.reassign.remote([state.request_id for state, _ in moved],
+                                                          dest, [state for state, _ in moved]))
+                else:
+                    pending += group
+            if not pending:
+                break
+            live = {w: ray.get(h.snapshot.remote()) for w, h in self.workers.items()}
         keep = ray.get(self.partials.group_ids.remote()) | ray.get(self.buffer.group_ids.remote())
-        returned = ray.get(self.prompts.release_owner.remote(dead_id, keep))
+        returned = ray.get(self.prompts.release_owner.remote(owner, keep))
         self.counters["returned_groups"] += len(returned)

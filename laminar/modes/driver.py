@@ -98,7 +98,14 @@ def finish(rt: Runtime, cfg: Config, running: list[Any]) -> dict[str, Any]:
     for w in rt.workers.values():
         w.stop.remote()
     rt.manager.stop.remote()
-    rt.wait({f"loop {i}": ref for i, ref in enumerate(running)})
+    ready, _ = ray.wait(running, num_returns=len(running), timeout=cfg.cluster.wait_timeout_s)
+    for ref in running:
+        try:
+            ray.get(ref, timeout=0 if ref in ready else 1)
+        except ray.exceptions.RayActorError:
+            pass  # a worker that died or was retired; the manager's report says which
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError("a rollout loop did not stop within cluster.wait_timeout_s") from None
     accounting = ray.get(rt.pools["prompts"].accounting.remote())
     buffer = ray.get(rt.pools["buffer"].counts.remote())
     manager = ray.get(rt.manager.stats.remote())
