@@ -52,6 +52,21 @@ def throughput(rows: list[dict[str, Any]]) -> float:
     return sum(r["batch_tokens"] for r in tail) / sum(r["update_interval_s"] for r in tail)
 
 
+BREAKDOWN = ("update_interval_s", "train_s", "trainer_idle_frac", "rollout_idle_frac",
+             "gen_tokens_per_s", "push_stall_s", "pull_latency_s", "kv_util_mean")
+
+
+def breakdown(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Where the time goes: means over the steps after warm-up."""
+    tail = rows[WARMUP_STEPS:]
+    out: dict[str, float | None] = {}
+    for key in BREAKDOWN:
+        values = [r[key] for r in tail if r.get(key) is not None]
+        out[key] = float(np.mean(values)) if values else None
+    out["repacks"] = rows[-1].get("repacks", 0)
+    return out
+
+
 def reward_curve(rows: list[dict[str, Any]], window: int = 5) -> list[tuple[float, float]]:
     """(seconds since the first update, moving-average training reward)."""
     t0 = rows[0]["time"]
@@ -76,7 +91,7 @@ def run_mode(mode: str, steps: int, root: Path) -> dict[str, Any]:
         hist.update({int(k): v for k, v in r["staleness_hist"].items()})
     return {"throughput": throughput(rows), "curve": reward_curve(rows),
             "staleness": dict(sorted(hist.items())), "wall_s": time.perf_counter() - t0,
-            "rows": rows}
+            "breakdown": breakdown(rows)}
 
 
 def run_trl(steps: int, root: Path) -> dict[str, Any]:
@@ -101,7 +116,14 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
     bos = tokenizer.bos_token
     data = Dataset.from_list([{"prompt": bos + it.prompt, "answer": it.answer} for it in task.train])
 
+    env = cfg.rollout.env_latency
+    rng = np.random.default_rng(cfg.trainer.seed)
+
     def reward(completions, answer, **_):
+        # the same emulated tool call per completion; a synchronous batch waits for its slowest
+        if env.enabled:
+            calls = env.median_s * np.exp(env.sigma * rng.standard_normal(len(completions)))
+            time.sleep(float(np.minimum(calls, env.max_s).max()))
         return [similarity_reward("", c, a) for c, a in zip(completions, answer)]
 
     stamps: list[tuple[float, float, float]] = []  # (time, cumulative tokens, reward)
@@ -149,8 +171,10 @@ def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
         ray.shutdown()
     results["trl"] = run_trl(steps, root)
 
-    sync_curve = results["sync"]["curve"]
-    target = float(np.mean([r for _, r in sync_curve[len(sync_curve) // 2:]]))
+    # target: halfway from the common starting reward to where sync ends (sync is on-policy)
+    start = float(np.mean([r["curve"][0][1] for m, r in results.items() if m != "trl"]))
+    sync_end = results["sync"]["curve"][-1][1]
+    target = start + 0.5 * (sync_end - start) if sync_end > start else sync_end
     tput = {m: r["throughput"] for m, r in results.items()}
     report = {
         "workload": WORKLOAD, "steps": steps, "quick": quick,
@@ -161,6 +185,7 @@ def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
         "target_reward": target,
         "time_to_target_s_by_mode": {m: time_to(r["curve"], target) for m, r in results.items()},
         "wall_s_by_mode": {m: r["wall_s"] for m, r in results.items()},
+        "breakdown_by_mode": {m: r["breakdown"] for m, r in results.items() if "breakdown" in r},
     }
     table = Table(title=f"laminar bench modes ({steps} steps, env latency on)")
     for col in ("mode", "throughput tok/s", "laminar / mode", f"time to reward {target:.3f}",
@@ -172,6 +197,13 @@ def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
                       f"{ttt:.1f}s" if ttt is not None else "not reached",
                       " ".join(f"{k}:{v}" for k, v in report["staleness_hist_by_mode"][m].items()))
     Console().print(table)
+    detail = Table(title="where the time goes (means after warm-up)")
+    detail.add_column("mode")
+    for key in (*BREAKDOWN, "repacks"):
+        detail.add_column(key.replace("_", " "))
+    for m, b in report["breakdown_by_mode"].items():
+        detail.add_row(m, *("-" if b[k] is None else f"{b[k]:.3g}" for k in (*BREAKDOWN, "repacks")))
+    Console().print(detail)
     if out:
         Path(out).write_text(json.dumps(report, indent=2))
         print(f"wrote {out}")
