@@ -289,8 +289,12 @@ def test_load_weights_refuses_mid_flight_then_swaps_and_stamps_version(model):
     engine.generate([])  # drain
     assert running.version == 0 and running.finish_reason == "length"
 
+    queued = GenerationRequest("queued", [BOS_ID, 9], SamplingParams(max_new_tokens=3))
+    engine.add(queued)  # not started yet: does not block the swap, and gets the new version
     engine.load_weights(other.state_dict(), version=1)
     assert engine.version == 1 and engine.stats().version == 1
+    engine.generate([])
+    assert queued.version == 1
     prompts = make_prompts(3, seed=10)
     swapped = engine.generate(requests(prompts))
     fresh = Engine(other, 10_000, PAD_ID).generate(requests(prompts))

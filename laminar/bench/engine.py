@@ -341,17 +341,36 @@ def _print_history(rows: list[dict], preset: str, num_requests: int) -> None:
     Console(width=150).print(table)
 
 
+def profile(preset: str, num_requests: int) -> None:
+    """Where a native run's CPU time goes: torch profiler, top ops by self time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.set_num_threads(THREADS)
+    model = build_preset(preset).eval()
+    workload = build_workload(num_requests)
+    run_native(model, workload, MAX_BATCH_SIZE, model.config.vocab_size)  # warm
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_native(model, workload, MAX_BATCH_SIZE, model.config.vocab_size)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="engine benchmark; see the module docstring")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--history", nargs="+", metavar="REV",
                         help="time the native engine of these git revisions against each other")
-    parser.add_argument("--preset", default="tiny", help="model preset for --history")
-    parser.add_argument("--requests", type=int, default=512, help="workload size for --history")
+    parser.add_argument("--profile", action="store_true",
+                        help="print where one native run spends its CPU time")
+    parser.add_argument("--preset", default="tiny", help="model preset for --history/--profile")
+    parser.add_argument("--requests", type=int, default=512,
+                        help="workload size for --history/--profile")
     parser.add_argument("--repeats", type=int, default=3, help="alternations for --history")
     args = parser.parse_args()
-    if args.history:
+    if args.profile:
+        profile(args.preset, args.requests)
+    elif args.history:
         result = history(args.history, args.preset, args.requests, args.repeats)
         _print_history(result, args.preset, args.requests)
         if args.out:
