@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from laminar.config import RelayConfig
-from laminar.relay.chain import CHUNK, FRAME, OFFER, ROLE_FEED, LinkError, call, connect, make_transport
+from laminar.relay.chain import call
+from laminar.relay.transport import CHUNK, FRAME, OFFER, ROLE_FEED, LinkError, connect, make_transport
 from laminar.relay.client import Puller, Pusher
 from laminar.relay.plan import RelayInfo, build_chain, join
 from laminar.relay.process import RelayProcess
-from laminar.relay.store import read_latest_version
+from laminar.relay.reader import read_latest_version
 
 SECRET = b"job-secret-for-tests"
 

@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from laminar.relay.store import ShmReader, WeightStore, cleanup, layout, read_latest_version
+from laminar.relay.reader import ShmReader, read_latest_version
+from laminar.relay.store import WeightStore, cleanup
+from laminar.relay.version import layout
 
 SHM = "/dev/shm"
 

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -52,45 +53,28 @@ def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
     rate = float(os.environ.get("LAMINAR_BENCH_RELAY_RATE_MBIT", "400"))
     sizes = [64] if quick else [64, 256]
     ps = [2, 4, 8]
-    reps = 1 if quick else 3
+    reps = 1 if quick else 5
     ok, why = Netns.available()
     network = "netns+veth+tbf" if ok else "in-transport token bucket"
     print(f"relay bench: {NODES} relays, links {rate:g} Mbit/s via {network}"
           f"{'' if ok else f' (no namespaces: {why})'}", flush=True)
-    job = f"bench{uuid.uuid4().hex[:6]}"
     res: dict[str, Any] = {"network": network, "network_note": why, "rate_mbit": rate,
-                           "chunk_bytes": RelayConfig().chunk_bytes, "sizes_mib": sizes, "reps": reps,
-                           "by_size": {}}
-    net = Netns(NODES, rate) if ok else None
-    with tempfile.TemporaryDirectory(prefix="lam-bench-") as tmp:
+                           "chunk_bytes": RelayConfig().chunk_bytes, "sizes_mib": sizes, "reps": reps}
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lam-bench-")))
+        net = stack.enter_context(Netns(NODES, rate)) if ok else None
+        phase = time.perf_counter()
+        res.update(_relay_part(net, rate, tmp, sizes, ps, reps))
+        print(f"  (relay part took {time.perf_counter() - phase:.0f}s)", flush=True)
         if net is not None:
-            net.__enter__()
-        try:
-            hosts = [net.address(i) if net else "127.0.0.1" for i in range(NODES)]
-            cfg = RelayConfig(timeout_s=20.0, heartbeat_s=1.0, rate_limit_mbps=0.0 if net else rate)
-            relays = [RelayProcess(f"n{i}", job, SECRET, cfg.model_copy(update={"host": hosts[i]}),
-                                   prefix=net.prefix(i) if net else None,
-                                   log_path=Path(tmp) / f"n{i}.log") for i in range(NODES)]
-            try:
-                bench = _Bench(relays, cfg)
-                res["T_byte_s"] = t_byte = _raw_link_seconds_per_byte(net, rate)
-                res["T_start_s"] = t_start = bench.hop_latency()
-                res["T_start_rtt_half_s"] = _raw_half_rtt(net)
-                for m in sizes:
-                    res["by_size"][f"{m}MiB"] = bench.run_size(m * MiB, ps, reps, t_byte, t_start)
-            finally:
-                for r in relays:
-                    r.close()
-            if net is not None:
-                ray_res = _ray_in_namespaces(net, sizes, ps, max(1, reps - 1))
-            else:
-                ray_res = {"note": "Ray nodes need network namespaces to be a network broadcast; skipped"}
-            for m in sizes:
-                res["by_size"][f"{m}MiB"]["ray_s_by_p"] = ray_res.get(f"{m}MiB", {})
-            res["ray_note"] = ray_res.get("note", "one Ray node per namespace, same links")
-        finally:
-            if net is not None:
-                net.close()
+            phase = time.perf_counter()
+            ray_res = _ray_in_namespaces(net, sizes, ps)
+            print(f"  (Ray part took {time.perf_counter() - phase:.0f}s)", flush=True)
+        else:
+            ray_res = {"note": "Ray nodes need network namespaces to be a network broadcast; skipped"}
+    for m in sizes:
+        res["by_size"][f"{m}MiB"]["ray_s_by_p"] = ray_res.get(f"{m}MiB", {})
+    res["ray_note"] = ray_res.get("note", "one Ray node per namespace, same links")
     _headline(res, f"{max(sizes)}MiB")
     _print_table(res)
     if out:
@@ -99,10 +83,33 @@ def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
     return res
 
 
+def _relay_part(net: Netns | None, rate: float, tmp: Path, sizes: list[int], ps: list[int],
+                reps: int) -> dict[str, Any]:
+    job = f"bench{uuid.uuid4().hex[:6]}"
+    cfg = RelayConfig(timeout_s=20.0, heartbeat_s=1.0, rate_limit_mbps=0.0 if net else rate)
+    with ExitStack() as stack:
+        relays = [stack.enter_context(RelayProcess(
+            f"n{i}", job, SECRET, cfg.model_copy(update={"host": net.address(i) if net else "127.0.0.1"}),
+            prefix=net.prefix(i) if net else None, log_path=tmp / f"n{i}.log")) for i in range(NODES)]
+        bench = _Bench(relays, cfg)
+        stack.callback(bench.pusher.close)
+        res: dict[str, Any] = {"by_size": {}}
+        res["T_byte_s"] = t_byte = _raw_link_seconds_per_byte(net, rate)
+        res["T_start_s"] = t_start = bench.hop_latency()
+        res["T_start_rtt_half_s"] = _raw_half_rtt(net)
+        for m in sizes:
+            # star and Ray are bandwidth-bound and steady; one round of them at 256 MiB already
+            # takes minutes
+            res["by_size"][f"{m}MiB"] = bench.run_size(m * MiB, ps, reps, 2 if m <= 64 else 1,
+                                                       t_byte, t_start)
+        return res
+
+
 class _Bench:
     def __init__(self, relays: list[RelayProcess], cfg: RelayConfig) -> None:
         self.relays, self.cfg = relays, cfg
         self.version = 0
+        self.pusher = Pusher(build_chain([r.info for r in relays]), SECRET, cfg)
 
     def _plan(self, p: int) -> ChainPlan:
         plan = build_chain([r.info for r in self.relays[:p]], epoch=self.version)
@@ -124,8 +131,8 @@ class _Bench:
 
     def _push(self, plan: ChainPlan, sd: dict[str, torch.Tensor]) -> tuple[float, int]:
         self.version += 1
-        result = Pusher(plan, SECRET, self.cfg).push(sd, self.version)
-        return result.seconds, self.version
+        self.pusher.set_plan(plan)
+        return self.pusher.push(sd, self.version).seconds, self.version
 
     def chain_once(self, p: int, sd: dict[str, torch.Tensor]) -> tuple[float, float]:
         """(broadcast seconds from the master holding it to the last relay holding it, stall)."""
@@ -151,7 +158,11 @@ class _Bench:
         return statistics.median(times) / (NODES - 1)
 
     def pull_vs_memcpy(self, relay: RelayProcess, sd: dict[str, torch.Tensor], reps: int) -> dict[str, float]:
+        """A rollout's pull (lock the newest version at its relay, copy it into preallocated
+        weights) against a plain copy of the same bytes between two ordinary buffers. Caches
+        are flushed before each timed copy so that neither side gets a warm last-level cache."""
         dst = {k: torch.empty_like(t) for k, t in sd.items()}
+        scratch = torch.empty(512 * MiB, dtype=torch.uint8)
 
         class Engine:
             def load_weights(self, named, version):
@@ -160,18 +171,23 @@ class _Bench:
 
         puller, engine = Puller(relay.info, self.cfg), Engine()
         pulls, copies = [], []
-        for _ in range(reps + 1):  # the first round warms both paths up
+        for _ in range(reps + 1):  # the first round maps the slots; it is not counted
+            # (more rounds than the broadcasts get: a copy is short and the machine is noisy)
+            scratch.add_(1)
             t0 = time.perf_counter()
             puller.pull_latest(engine, newer_than=None)
             pulls.append(time.perf_counter() - t0)
+            scratch.add_(1)
             t0 = time.perf_counter()
             for k, t in sd.items():
                 dst[k].copy_(t)
             copies.append(time.perf_counter() - t0)
+        puller.close()
         pull, copy = statistics.median(pulls[1:]), statistics.median(copies[1:])
         return {"pull_s": pull, "memcpy_s": copy, "pull_over_memcpy": pull / copy}
 
-    def run_size(self, nbytes: int, ps: list[int], reps: int, t_byte: float, t_start: float) -> dict[str, Any]:
+    def run_size(self, nbytes: int, ps: list[int], reps: int, star_reps: int, t_byte: float,
+                 t_start: float) -> dict[str, Any]:
         """Chain and star for every p. Repetitions go round all p in turn, so a change in the
         machine's background load hits every p alike instead of skewing the ratios."""
         label = f"{nbytes // MiB}MiB"
@@ -180,6 +196,8 @@ class _Bench:
         chain: dict[int, list[float]] = {p: [] for p in ps}
         stall: dict[int, list[float]] = {p: [] for p in ps}
         star: dict[int, list[float]] = {p: [] for p in ps}
+        for _ in range(self.cfg.keep_versions):  # every relay allocates its slots at this size
+            self.chain_once(NODES, sd)
         for rep in range(reps):
             for p in ps:
                 c, st = self.chain_once(p, sd)
@@ -188,7 +206,7 @@ class _Bench:
                 print(f"  {label} rep {rep} p={p}: chain {c:.3f}s "
                       f"(model {chain_model(p, nbytes, k, t_byte, t_start):.3f}s), push stall {st:.3f}s",
                       flush=True)
-        for rep in range(max(1, reps - 1)):
+        for rep in range(star_reps):
             for p in ps:
                 star[p].append(self.star_once(p, sd))
                 print(f"  {label} rep {rep} p={p}: star {star[p][-1]:.3f}s", flush=True)
@@ -199,11 +217,12 @@ class _Bench:
             "model_s_by_p": {str(p): chain_model(p, nbytes, k, t_byte, t_start) for p in ps},
             "star_model_s_by_p": {str(p): (p - 1) * (nbytes * t_byte + t_start) for p in ps},
             "push_stall_s_by_p": {str(p): med(stall[p]) for p in ps},
+            "push_stall_min_s_by_p": {str(p): min(stall[p]) for p in ps},
             "samples": {"chain": chain, "star": star, "push_stall": stall},
             "chunks": k,
             "k_opt_by_p": {str(p): math.sqrt(max(p - 2, 0) * nbytes * t_byte / t_start) for p in ps},
         }
-        r.update(self.pull_vs_memcpy(self.relays[max(ps) - 1], sd, max(reps, 3)))
+        r.update(self.pull_vs_memcpy(self.relays[max(ps) - 1], sd, 9))
         print(f"  {label} pull {r['pull_s']:.3f}s vs memcpy {r['memcpy_s']:.3f}s", flush=True)
         return r
 
@@ -283,10 +302,10 @@ def _raw_half_rtt(net: Netns | None) -> float:
 # Ray baseline: a real multi-node Ray cluster, one node per namespace
 
 
-def _ray_in_namespaces(net: Netns, sizes: list[int], ps: list[int], reps: int) -> dict[str, Any]:
+def _ray_in_namespaces(net: Netns, sizes: list[int], ps: list[int]) -> dict[str, Any]:
     args = json.dumps({"addresses": [net.address(i) for i in range(NODES)],
                        "prefixes": [net.prefix(i) for i in range(NODES)],
-                       "sizes": sizes, "ps": ps, "reps": reps})
+                       "sizes": sizes, "ps": ps})
     proc = subprocess.run([*net.prefix(0), sys.executable, "-m", "laminar.bench.relay", "--ray-part", args],
                           capture_output=True, text=True, timeout=1800,
                           env={**os.environ, "RAY_AUTH_MODE": "disabled"})
@@ -316,18 +335,22 @@ def _ray_part(spec: dict[str, Any]) -> None:
     try:
         _wait_port(addrs[0], 6379, 60)
         ray.init(address=f"{addrs[0]}:6379", logging_level="ERROR", log_to_driver=False)
-        for i in range(1, len(addrs)):  # one at a time: nodes started together on one host race
-            log = open(Path(temp) / f"node{i}.log", "wb")
+        logs = []
+        for i in range(1, len(addrs)):
+            logs.append(Path(temp) / f"node{i}.log")
             nodes.append(subprocess.Popen(
                 [*prefixes[i], ray_bin, "start", "--address", f"{addrs[0]}:6379", "--node-ip-address",
                  addrs[i], "--resources", json.dumps({f"relay{i}": 1}), *common],
-                start_new_session=True, stdout=log, stderr=subprocess.STDOUT))
-            end = time.time() + 90
-            while sum(n["Alive"] for n in ray.nodes()) < i + 1:
-                if time.time() > end or nodes[-1].poll() is not None:
-                    raise RuntimeError(f"Ray node {i} did not join: "
-                                       f"{(Path(temp) / f'node{i}.log').read_text()[-1500:]}")
-                time.sleep(0.3)
+                start_new_session=True, stdout=open(logs[-1], "wb"), stderr=subprocess.STDOUT))
+            time.sleep(1.5)  # staggered: nodes that register at the same instant on one host race
+        end = time.time() + 180
+        while sum(n["Alive"] for n in ray.nodes()) < len(addrs):
+            dead = [i for i, n in enumerate(nodes[1:], 1) if n.poll() is not None]
+            if time.time() > end or dead:
+                raise RuntimeError(f"Ray nodes did not all join (exited: {dead}): "
+                                   + " | ".join(p.read_text()[-500:] for p in logs))
+            time.sleep(0.3)
+        print(f"  Ray cluster of {len(addrs)} nodes up", flush=True)
 
         @ray.remote(num_cpus=0)
         class Getter:
@@ -344,7 +367,7 @@ def _ray_part(spec: dict[str, Any]) -> None:
             by_p = {}
             for p in spec["ps"]:
                 times = []
-                for _ in range(spec["reps"]):
+                for _ in range(2 if m <= 64 else 1):
                     ref = ray.put(arrays)
                     t0 = time.perf_counter()
                     ray.get([a.fetch.remote([ref]) for a in actors[:p - 1]])

@@ -36,10 +36,12 @@ import numpy as np
 import torch
 
 from laminar.config import RelayConfig
-from laminar.relay.chain import ROLE_FEED, Inbox, LinkError, call, connect, feed_version, make_transport
+from laminar.relay.chain import Inbox, feed_version, request
 from laminar.relay.plan import ChainPlan, RelayInfo, choose_master
-from laminar.relay.store import (ShmReader, Snapshot, VersionHeader, WeightStore, checksums, layout,
-                                 write_header)
+from laminar.relay.reader import ShmReader, Snapshot
+from laminar.relay.store import WeightStore
+from laminar.relay.transport import ROLE_CONTROL, ROLE_FEED, Link, LinkError, connect, make_transport
+from laminar.relay.version import VersionHeader, checksums, layout, write_header
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -103,6 +105,7 @@ class Pusher:
         self.transport = make_transport(self.cfg.transport, self.cfg.timeout_s)
         self._remote_store: WeightStore | None = None  # staging store when the master is remote
         self._writers: dict[Path, _SlotWriter] = {}  # mappings of the master's slots
+        self._links: dict[str, Link] = {}  # open control connections, by relay id
 
     @property
     def master(self) -> str | None:
@@ -132,9 +135,25 @@ class Pusher:
         self.plan = plan
         self.dead &= set(plan.order)
 
+    def _request(self, info: RelayInfo, op: str, **args: Any) -> Any:
+        """A request on a control connection kept open across pushes. A connection that broke
+        is reopened once before the relay counts as dead (it may just have been idle-closed)."""
+        for attempt in (0, 1):
+            link = self._links.get(info.id)
+            if link is None:
+                link = self._links[info.id] = connect(self.transport, info.address, self.secret,
+                                                      ROLE_CONTROL)
+            try:
+                return request(link, op, **args)
+            except LinkError:
+                self._links.pop(info.id).close()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
     def _push_local(self, info: RelayInfo, header: VersionHeader, tensors: list[torch.Tensor]) -> None:
         """Write straight into a slot the master reserved, then have it publish: one copy."""
-        reply = call(self.transport, info.address, self.secret, "reserve", header=header.to_bytes().decode())
+        reply = self._request(info, "reserve", header=header.to_bytes().decode())
         path = Path(reply["slot"])
         w = self._writers.get(path)
         if w is None or os.stat(path).st_ino != w.ino or w.size < header.file_size:
@@ -147,7 +166,7 @@ class Pusher:
         finally:
             data.release()
         write_header(w.mm, header)
-        call(self.transport, info.address, self.secret, "commit", version=header.version)
+        self._request(info, "commit", version=header.version)
 
     def _push_remote(self, info: RelayInfo, header: VersionHeader, tensors: list[torch.Tensor]) -> None:
         """The master is on another machine: stage the version locally, feed it over the chain
@@ -169,6 +188,9 @@ class Pusher:
             link.close()
 
     def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
         for w in self._writers.values():
             w.close()
         self._writers.clear()

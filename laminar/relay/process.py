@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from laminar.config import RelayConfig
-from laminar.relay.chain import call, make_transport
+from laminar.relay.chain import call
+from laminar.relay.transport import make_transport
 from laminar.relay.plan import RelayInfo
 from laminar.relay.store import cleanup
 

@@ -35,10 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from laminar.config import RelayConfig
-from laminar.relay.chain import (PING, ROLE_CONTROL, ROLE_FEED, Inbox, LinkError, connect, feed_version,
-                                 handshake_server, make_transport, serve_feed, serve_requests)
+from laminar.relay.chain import Inbox, feed_version, serve_feed, serve_requests
 from laminar.relay.plan import ChainPlan, RelayInfo, choose_master, repair
-from laminar.relay.store import VersionHeader, WeightStore, cleanup
+from laminar.relay.store import WeightStore, cleanup
+from laminar.relay.transport import (PING, ROLE_CONTROL, ROLE_FEED, LinkError, connect, handshake_server,
+                                     make_transport)
+from laminar.relay.version import VersionHeader
 
 log = logging.getLogger("laminar.relay")
 
