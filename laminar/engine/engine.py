@@ -34,7 +34,7 @@ import torch
 
 from laminar.engine.model_runner import ModelRunner
 from laminar.engine.sampler import SamplingRows, sample
-from laminar.engine.scheduler import Scheduler, compact
+from laminar.engine.scheduler import Scheduler
 from laminar.engine.sequence import Sequence
 from laminar.types import EngineStats, GenerationRequest, TokenDelta
 
@@ -101,12 +101,8 @@ class Engine:
         """Remove requests (running or waiting); returns their state, unfinished. Unknown ids
         (for example requests that already finished) are skipped."""
         found = [self._live.pop(rid) for rid in ids if rid in self._live]
+        self._apply_moves(self.scheduler.discard(found))
         gone = {id(seq) for seq in found}
-        running = [seq for seq in self.scheduler.running if id(seq) in gone]
-        if running:
-            self._apply_moves(self.scheduler.remove(running))
-        self.scheduler.waiting = type(self.scheduler.waiting)(
-            seq for seq in self.scheduler.waiting if id(seq) not in gone)
         self._done_on_add = [seq for seq in self._done_on_add if id(seq) not in gone]
         return [seq.request for seq in found]
 
@@ -172,11 +168,7 @@ class Engine:
                 finished.append(slot)
         self.num_generated_tokens += len(tokens)
         if finished:
-            moves = compact(len(rows), finished)
-            for dst, src in moves:
-                rows[dst] = rows[src]
-            del rows[len(rows) - len(finished):]
-            self._apply_moves(moves)
+            self._apply_moves(self.scheduler.remove_slots(finished))
         return deltas
 
     def _finish(self, seq: Sequence) -> TokenDelta:

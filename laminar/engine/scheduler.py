@@ -92,12 +92,20 @@ class Scheduler:
         self.running.extend(admitted)
         return admitted, moves
 
+    def discard(self, seqs: Iterable[Sequence]) -> list[tuple[int, int]]:
+        """Drop sequences wherever they are (running or waiting); returns the slot moves."""
+        gone = {id(seq) for seq in seqs}
+        self.waiting = deque(seq for seq in self.waiting if id(seq) not in gone)
+        return self.remove([seq for seq in self.running if id(seq) in gone])
+
     def remove(self, seqs: Iterable[Sequence]) -> list[tuple[int, int]]:
         """Take running sequences out; returns the slot moves that keep slots dense."""
         slot_of = {id(seq): slot for slot, seq in enumerate(self.running)}
-        removed = [slot_of[id(seq)] for seq in seqs]
-        moves = compact(len(self.running), removed)
+        return self.remove_slots([slot_of[id(seq)] for seq in seqs])
+
+    def remove_slots(self, slots: list[int]) -> list[tuple[int, int]]:
+        moves = compact(len(self.running), slots)
         for dst, src in moves:
             self.running[dst] = self.running[src]
-        del self.running[len(self.running) - len(removed):]
+        del self.running[len(self.running) - len(slots):]
         return moves
