@@ -60,7 +60,8 @@ def requests(prompts: list[list[int]], params: SamplingParams = GREEDY, prefix: 
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int = EOS_ID) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids),
                          generation_config=GenerationConfig(
                              max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                              pad_token_id=PAD_ID))
@@ -90,7 +91,7 @@ def teacher_forced_logprobs(model, req: GenerationRequest) -> list[float]:
 
 def test_greedy_matches_transformers_generate_batched_mixed_lengths(model):
     prompts = make_prompts(12, seed=1)
-    engine = Engine(model, EOS_ID, PAD_ID, max_batch_size=8)  # 12 requests > 8 slots: admission waves
+    engine = Engine(model, EOS_ID, PAD_ID, max_batch_size=8)  # 12 requests, 8 slots: waves
     out = engine.generate(requests(prompts))
     for req, prompt in zip(out, prompts):
         assert req.output_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens)
@@ -281,7 +282,8 @@ def test_bad_requests_fail_with_clear_errors(model):
 def test_load_weights_refuses_mid_flight_then_swaps_and_stamps_version(model):
     other = sharpen(build_preset("tiny", seed=123))
     engine = Engine(copy.deepcopy(model), 10_000, PAD_ID, version=0)
-    running = GenerationRequest("old", [BOS_ID, 9, 9], SamplingParams(temperature=0.0, max_new_tokens=8))
+    running = GenerationRequest("old", [BOS_ID, 9, 9],
+                                SamplingParams(temperature=0.0, max_new_tokens=8))
     engine.add(running)
     engine.step()
     with pytest.raises(RuntimeError, match="refused: 1 request"):

@@ -38,6 +38,8 @@ from laminar.engine.scheduler import Scheduler
 from laminar.engine.sequence import Sequence
 from laminar.types import EngineStats, GenerationRequest, TokenDelta
 
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
 
 class Engine:
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
@@ -50,7 +52,7 @@ class Engine:
         self.runner = ModelRunner(model, num_slots=max_batch_size)
         self.model = self.runner.model
         self.eos_token_id = eos_token_id
-        self.pad_token_id = pad_token_id  # unused by the forward (no padding is fed); kept for parity
+        self.pad_token_id = pad_token_id  # unused: no padding is ever fed; kept for parity
         self.max_batch_size = max_batch_size
         self.kv_capacity_tokens = kv_capacity_tokens
         self.version = version
@@ -188,8 +190,7 @@ class Engine:
 
     # -- weights and stats ------------------------------------------------------------------------
 
-    def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                     version: int, force: bool = False) -> None:
+    def load_weights(self, named_tensors: NamedTensors, version: int, force: bool = False) -> None:
         """Copy tensors into the model in place (names as in `model.state_dict()`), then stamp
         `version` on requests admitted from now on."""
         in_flight = [seq.request_id for seq in self._live.values()

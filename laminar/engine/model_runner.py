@@ -61,7 +61,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int) -> None:
         config = model.config
         check_supported(config)
-        self.model = model  # only its weights and rotary module are used: no dropout, no mode change
+        self.model = model  # only weights and the rotary module are used: mode left alone
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.num_heads = config.num_attention_heads

@@ -88,7 +88,8 @@ def process_logits(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         return scaled
     vocab = scaled.shape[-1]
     sorted_vals = scaled.sort(dim=-1, descending=True).values
-    in_top_k = torch.arange(vocab, device=scaled.device)[None, :] < rows.top_k[:, None]  # k >= V: all
+    # top_k >= vocab (off) keeps every column
+    in_top_k = torch.arange(vocab, device=scaled.device)[None, :] < rows.top_k[:, None]
     probs = sorted_vals.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
     mass_above = probs.cumsum(dim=-1) - probs
     # keep the smallest prefix whose mass reaches top_p (the first token always survives)
@@ -114,7 +115,8 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -
     key = _mix32(seeds & _MASK32) ^ _mix32(((seeds >> 32) & _MASK32) ^ _GOLDEN)
     key = _mix32(key ^ _mix32(counters & _MASK32))
     bits = _mix32(key[:, None] ^ _vocab_hash(vocab_size, seeds.device)[None, :])
-    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in float32, in (0, 1)
+    # 24 bits: exact in float32, strictly inside (0, 1)
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
     return -torch.log(-torch.log(uniform))
 
 
