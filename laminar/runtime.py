@@ -114,6 +114,8 @@ class Runtime:
         self.trainer = ray.remote(TrainerWorker).options(**threaded).remote(
             cfg, self.model_dir, self.relays.plan.to_dict(), secret.encode(), self.pools)
         self.manager = ray.remote(RolloutManager).options(**threaded).remote(cfg, self.workers, self.pools)
+        for handle in self.workers.values():
+            handle.set_manager.remote(self.manager)
         self.wait({f"rollout worker {w}": h.snapshot.remote() for w, h in self.workers.items()}
                   | {"trainer": self.trainer.metrics_since.remote(0),
                      "rollout manager": self.manager.stats.remote()})
@@ -158,6 +160,7 @@ class Runtime:
             self.start_version)
         self.wait({f"rollout worker {wid}": handle.snapshot.remote()})
         ray.get(self.manager.add_worker.remote(wid, handle))
+        ray.get(handle.set_manager.remote(self.manager))
         self.workers[wid] = handle
         return wid, handle
 

@@ -38,8 +38,8 @@ class RolloutManager:
         self.cfg = cfg
         self.workers = dict(workers)
         self.prompts, self.partials, self.buffer = pools["prompts"], pools["partials"], pools["buffer"]
-        self.prev_kv: dict[str, int] = {}
         self.stop_event = threading.Event()
+        self.trigger = threading.Event()
         self.lock = threading.Lock()
         self.counters = {"checks": 0, "repacks": 0, "moved_trajectories": 0, "repack_s": 0.0,
                          "refused_moves": 0, "dead_workers": 0, "failover_trajectories": 0,
@@ -48,13 +48,23 @@ class RolloutManager:
         self.dead: list[str] = []
 
     def run(self, repack: bool) -> dict[str, Any]:
+        """Check every `manager.interval_s`, and at once when a rollout starts draining."""
         self.stop_event.clear()
-        while not self.stop_event.wait(self.cfg.manager.interval_s):
-            self.check_once(repack)
+        while not self.stop_event.is_set():
+            self.trigger.wait(self.cfg.manager.interval_s)
+            self.trigger.clear()
+            if not self.stop_event.is_set():
+                self.check_once(repack)
         return self.counters
+
+    def on_draining(self, worker_id: str) -> None:
+        """A rollout saw a newer version and stopped admitting: its ramp-down has begun (the
+        paper's second trigger: right after a weight update)."""
+        self.trigger.set()
 
     def stop(self) -> None:
         self.stop_event.set()
+        self.trigger.set()
 
     def add_worker(self, worker_id: str, handle: Any) -> None:
         """Elasticity: a rollout joining a running job."""
@@ -96,11 +106,10 @@ class RolloutManager:
     def _repack(self, snapshots: dict[str, dict[str, Any]]) -> None:
         loads = []
         for wid, s in snapshots.items():
-            prev = self.prev_kv.get(wid, s["kv_capacity_tokens"])
-            self.prev_kv[wid] = s["kv_used_tokens"]
             if s["hold"] or not s["draining"] or s["num_waiting"]:
                 continue  # only a rollout that stopped admitting is in its ramp-down (Fig. 9)
-            loads.append(RolloutLoad(wid, s["version"], s["kv_used_tokens"], prev,
+            # C_prev: the KV held when admission stopped; it only falls from there
+            loads.append(RolloutLoad(wid, s["version"], s["kv_used_tokens"], s["kv_at_drain"],
                                      s["kv_capacity_tokens"], s["num_reqs"]))
         for source, dest in plan_repack(loads, self.cfg.manager.c_max, self.cfg.manager.batch_bound):
             self._move(source, dest)

@@ -1,10 +1,11 @@
-"""partial: partial rollout (AReaL, Kimi). Rollouts never stop, but every weight update reaches
-into every trajectory in flight.
+"""partial: partial rollout (AReaL, Kimi). Rollouts never stop for a batch, but every weight
+update reaches into every trajectory in flight.
 
-    rollouts:  generate continuously; when a newer version reaches the local relay, abort
-               everything in flight, load it, resume all of it with re-prefill (one trajectory
-               mixes versions; each token keeps the version that produced it)
-    trainer:   take B complete groups → train → push → repeat
+    rollouts:  keep the engine topped up with new groups                        (run_free)
+    trainer:   take B complete groups → train → push v+1
+    update:    every rollout aborts everything in flight, loads v+1, resumes it all with
+               re-prefill (one trajectory mixes versions; each token keeps its own); the
+               trainer goes on only when all have swapped (a global interrupt)
     admission: at most rollout.max_outstanding_batches global batches outstanding (AReaL's eta+1)
 """
 
@@ -23,5 +24,10 @@ def run(cfg: Config) -> dict[str, Any]:
     with Runtime(cfg, model_dir, version, max_outstanding=bound) as rt:
         loops = [w.run_free.remote("partial") for w in rt.workers.values()]
         loops.append(rt.manager.run.remote(repack=False))
-        Follower(rt, cfg).follow(rt.trainer.run.remote(cfg.trainer.total_steps))
+        follower = Follower(rt, cfg)
+        while version < cfg.trainer.total_steps:
+            follower.follow(rt.trainer.train_once.remote())  # train on B groups, push v+1
+            version += 1
+            rt.wait({f"interrupt of {w}": h.interrupt_and_swap.remote(version)  # everyone swaps
+                     for w, h in rt.workers.items()})
         return finish(rt, cfg, loops)

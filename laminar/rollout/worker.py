@@ -85,6 +85,8 @@ class RolloutWorker:
         self.stop_event = threading.Event()
         self.hold = False  # set by export: do not start a new batch until the manager releases
         self.draining = False  # laminar: a newer version is waiting; finish in-flight work first
+        self.kv_at_drain = 0  # KV tokens when draining began: the ramp-down reference
+        self.manager = None  # set by the runtime: the manager's handle, for repack triggers
         self.counters = WorkerCounters(versions=[version])
         self.last_renew = 0.0
         self.next_lease = 0.0
@@ -105,17 +107,21 @@ class RolloutWorker:
     def run_free(self, policy: str = "laminar") -> dict[str, Any]:
         """Generate until `stop()`, keeping the engine topped up with new groups.
         `laminar`: while no newer version is at the local relay, new groups start with the
-        current one; once one is, stop admitting and drain (the manager may repack the tail
-        onto a peer of the same version), then pull it and fill up again: one trajectory,
-        one version. `partial`: swap weights under in-flight trajectories at once instead."""
+        current one; once one is, stop admitting and drain (and tell the manager, which may
+        repack the tail onto a peer of the same version), then pull it and fill up again: one
+        trajectory, one version. `partial`: the schedule interrupts everyone at each update
+        (`interrupt_and_swap`)."""
         self.stop_event.clear()
         while not self.stop_event.is_set():
-            if policy == "partial":
-                self._swap_in_flight()
-            elif self._newer_version_available():
-                self.draining = True
+            if policy == "laminar" and self._newer_version_available():
+                if not self.draining:
+                    self.draining = True
+                    self.kv_at_drain = self.engine.stats().kv_used_tokens
+                    if self.manager is not None:
+                        self.manager.on_draining.remote(self.id)  # repack trigger
                 if not self.active and not self.hold:
-                    self._load_newest()
+                    with self.lock:
+                        self._load_newest()
                     self.draining = False
             if not self.draining and not self.hold:
                 self._top_up()
@@ -128,46 +134,50 @@ class RolloutWorker:
     # ------------------------------------------------------------------------- weights
 
     def pull_weights(self, at_least: int | None = None, timeout_s: float | None = None) -> int:
-        """Load the newest version at the local relay (waiting until it is >= `at_least`).
-        Returns the version the engine now holds."""
-        deadline = time.monotonic() + (timeout_s or self._timeout)
-        while True:
-            newest = self.puller.newest_version() if self.puller else None
-            if newest is not None and newest > self.engine.version and (at_least is None or newest >= at_least):
+        """Load the newest version at the local relay; with `at_least`, wait until one that new
+        has arrived (a global weight sync). Returns the version the engine now holds."""
+        with self.lock:
+            if at_least is None:
                 self._load_newest()
-                return self.engine.version
-            if at_least is None or self.engine.version >= at_least:
-                return self.engine.version
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rollout {self.id}: version {at_least} did not reach its "
-                                   f"local relay within {timeout_s or self._timeout:.0f}s (newest "
-                                   f"there: {newest}); is the relay chain alive?")
-            time.sleep(0.005)
+            else:
+                self._wait_and_load(at_least, timeout_s or self._timeout)
+            return self.engine.version
+
+    def interrupt_and_swap(self, version: int) -> int:
+        """Partial rollout's update: abort everything in flight, load `version` from the local
+        relay, resume all of it with re-prefill (each token keeps the version that made it).
+        Returns the number of tokens re-prefilled."""
+        with self.lock:
+            states = self.engine.abort(list(self.active))
+            self._wait_and_load(version, self._timeout)
+            for state in states:
+                self.engine.add(state)
+        reprefill = sum(state.num_tokens for state in states)
+        self.counters.swaps += 1
+        self.counters.reprefill_tokens += reprefill
+        return reprefill
+
+    def _wait_and_load(self, version: int, timeout_s: float) -> None:
+        """Under the lock: wait until `version` (or newer) is at the local relay, load it."""
+        deadline = time.monotonic() + timeout_s
+        while self.engine.version < version:
+            newest = self.puller.newest_version() if self.puller else None
+            if newest is not None and newest >= version:
+                self._load_newest()
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"rollout {self.id}: version {version} did not reach its local "
+                                   f"relay within {timeout_s:.0f}s (newest there: {newest}); is "
+                                   "the relay chain alive?")
+            else:
+                time.sleep(0.002)
 
     def _load_newest(self) -> None:
+        """Under the lock: copy the newest version in if it is newer than the engine's."""
         t0 = time.perf_counter()
-        with self.lock:
-            version = self.puller.pull_latest(self.engine, newer_than=self.engine.version)
+        version = self.puller.pull_latest(self.engine, newer_than=self.engine.version)
         if version is not None:
             self.counters.pulls += 1
             self.counters.pull_s += time.perf_counter() - t0
-            self.counters.versions.append(version)
-
-    def _swap_in_flight(self) -> None:
-        newest = self.puller.newest_version() if self.puller else None
-        if newest is None or newest <= self.engine.version:
-            return
-        t0 = time.perf_counter()
-        with self.lock:
-            states = self.engine.abort(list(self.active))
-            version = self.puller.pull_latest(self.engine, newer_than=self.engine.version)
-            for state in states:
-                self.counters.reprefill_tokens += state.num_tokens
-                self.engine.add(state)
-        self.counters.swaps += 1
-        self.counters.pulls += version is not None
-        self.counters.pull_s += time.perf_counter() - t0
-        if version is not None:
             self.counters.versions.append(version)
 
     # ------------------------------------------------------------------------- manager side
@@ -180,7 +190,8 @@ class RolloutWorker:
                     "kv_used_tokens": stats.kv_used_tokens,
                     "kv_capacity_tokens": stats.kv_capacity_tokens,
                     "num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                    "hold": self.hold, "draining": self.draining, "counters": self.counters.__dict__.copy()}
+                    "hold": self.hold, "draining": self.draining,
+                    "kv_at_drain": self.kv_at_drain, "counters": self.counters.__dict__.copy()}
 
     def export(self) -> list[tuple[GenerationRequest, PromptGroup]]:
         """Abort everything in flight and hand it over (repack source); the worker then holds
@@ -215,6 +226,9 @@ class RolloutWorker:
 
     def release(self) -> None:
         self.hold = False
+
+    def set_manager(self, handle: Any) -> None:
+        self.manager = handle
 
     # ------------------------------------------------------------------------- the loop
 
