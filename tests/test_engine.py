@@ -183,6 +183,31 @@ def test_small_kv_capacity_preempts_and_completes_everything(model):
     assert [r.output_ids for r in reqs] == [r.output_ids for r in roomy]  # re-prefill is lossless
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tightest_capacity_finishes_without_hanging(model, seed):
+    """Regression: a capacity of exactly prompt + max_new_tokens for the longest request must
+    still let a preempted request back in (admission reserves one token beyond its context)."""
+    rng = random.Random(seed)
+    prompts = make_prompts(8, seed=seed, lo=3, hi=12)
+    reqs = [GenerationRequest(f"r{i}", p, SamplingParams(temperature=1.0, seed=i,
+                                                         max_new_tokens=rng.randrange(5, 25)))
+            for i, p in enumerate(prompts)]
+    capacity = max(len(r.prompt_ids) + r.params.max_new_tokens for r in reqs)
+    longest = next(r for r in reqs if len(r.prompt_ids) + r.params.max_new_tokens == capacity)
+    with pytest.raises(ValueError, match="KV tokens"):  # one less could strand it in the queue
+        Engine(model, 10_000, PAD_ID, kv_capacity_tokens=capacity - 1).add(copy.deepcopy(longest))
+    engine = Engine(model, 10_000, PAD_ID, max_batch_size=4, kv_capacity_tokens=capacity)
+    for req in reqs:
+        engine.add(req)
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        assert engine.stats().kv_used_tokens <= capacity
+    assert all(len(r.output_ids) == r.params.max_new_tokens for r in reqs)
+    assert engine.scheduler.num_preempted > 0
+
+
 def test_stats_count_real_tokens(model):
     engine = Engine(model, 10_000, PAD_ID, max_batch_size=2)
     prompts = [[BOS_ID, 10, 11], [BOS_ID, 12], [BOS_ID, 13, 14, 15, 16]]

@@ -8,11 +8,13 @@ from laminar.engine.scheduler import compact, plan_step
 
 def test_admits_fifo_while_slots_and_capacity_last():
     assert plan_step([], [10, 10, 10], capacity=100, max_batch=2) == (0, 2)
-    assert plan_step([5], [10, 10, 10], capacity=25, max_batch=8) == (0, 2)  # 5 + 10 + 10 <= 25
+    # each admitted context also reserves its first decode token: 5 + 11 + 11 = 27 > 26
+    assert plan_step([5], [10, 10, 10], capacity=27, max_batch=8) == (0, 2)
+    assert plan_step([5], [10, 10, 10], capacity=26, max_batch=8) == (0, 1)
 
 
 def test_head_of_queue_blocks_smaller_requests_behind_it():
-    assert plan_step([20], [90, 1], capacity=100, max_batch=8) == (0, 0)
+    assert plan_step([20], [80, 1], capacity=100, max_batch=8) == (0, 0)
 
 
 def test_decode_growth_preempts_the_newest_and_admits_nobody():

@@ -86,8 +86,8 @@ class Engine:
             raise ValueError(f"request '{rid}': prompt ({len(request.prompt_ids)} tokens) + "
                              f"max_new_tokens ({params.max_new_tokens}) exceeds the model's "
                              f"max_position_embeddings={self.runner.max_positions}")
-        if longest - 1 > self.kv_capacity_tokens:
-            raise ValueError(f"request '{rid}' may need {longest - 1} KV tokens but "
+        if longest > self.kv_capacity_tokens:  # admission also reserves the next token's slot
+            raise ValueError(f"request '{rid}' may need {longest} KV tokens but "
                              f"kv_capacity_tokens={self.kv_capacity_tokens}; raise the capacity "
                              "or lower max_new_tokens")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)

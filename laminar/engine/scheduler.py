@@ -9,7 +9,8 @@ waiting sequence needs its whole context (prompt + tokens already generated) at 
 - Decode growth that would overflow preempts the newest running sequences (latest admitted)
   back to the front of the waiting queue; they are re-prefilled later, nothing is lost.
 - Admission is FIFO: the head of the queue is admitted when a batch slot is free and its
-  context fits; nothing overtakes it. A step that preempts admits nobody (no thrashing).
+  context fits with room for its next token; nothing overtakes it. A step that preempts
+  admits nobody.
 
 Running sequences sit in KV slots 0..n-1 without holes: `running[i]` is slot i. Removing
 sequences fills each hole with a survivor from the end (`compact`), and the caller copies
@@ -37,9 +38,11 @@ def plan_step(running: Seq[int], waiting: Seq[int], capacity: int, max_batch: in
     if num_preempt:
         return num_preempt, 0
     num_admit, free_slots = 0, max_batch - len(running)
+    # an admitted context must also leave room for its first decode token, or the next step
+    # would preempt it straight away and its prefill would be wasted
     while (num_admit < len(waiting) and num_admit < free_slots
-           and need + waiting[num_admit] <= capacity):
-        need += waiting[num_admit]
+           and need + waiting[num_admit] + 1 <= capacity):
+        need += waiting[num_admit] + 1
         num_admit += 1
     return 0, num_admit
 
