@@ -108,9 +108,11 @@ class RolloutManager:
         for wid, s in snapshots.items():
             if s["hold"] or not s["draining"] or s["num_waiting"]:
                 continue  # only a rollout that stopped admitting is in its ramp-down (Fig. 9)
-            # C_prev: the KV held when admission stopped; it only falls from there
-            loads.append(RolloutLoad(wid, s["version"], s["kv_used_tokens"], s["kv_at_drain"],
-                                     s["kv_capacity_tokens"], s["num_reqs"]))
+            # Line 3's C_used < C_prev asks "is it in ramp-down?": a draining rollout admits
+            # nothing, so it is by construction (its few tails may still grow a little), and
+            # its capacity stands in for C_prev
+            loads.append(RolloutLoad(wid, s["version"], s["kv_used_tokens"],
+                                     s["kv_capacity_tokens"], s["kv_capacity_tokens"], s["num_reqs"]))
         for source, dest in plan_repack(loads, self.cfg.manager.c_max, self.cfg.manager.batch_bound):
             self._move(source, dest)
 

@@ -85,7 +85,6 @@ class RolloutWorker:
         self.stop_event = threading.Event()
         self.hold = False  # set by export: do not start a new batch until the manager releases
         self.draining = False  # laminar: a newer version is waiting; finish in-flight work first
-        self.kv_at_drain = 0  # KV tokens when draining began: the ramp-down reference
         self.manager = None  # set by the runtime: the manager's handle, for repack triggers
         self.counters = WorkerCounters(versions=[version])
         self.last_renew = 0.0
@@ -116,7 +115,6 @@ class RolloutWorker:
             if policy == "laminar" and self._newer_version_available():
                 if not self.draining:
                     self.draining = True
-                    self.kv_at_drain = self.engine.stats().kv_used_tokens
                     if self.manager is not None:
                         self.manager.on_draining.remote(self.id)  # repack trigger
                 if not self.active and not self.hold:
@@ -190,8 +188,7 @@ class RolloutWorker:
                     "kv_used_tokens": stats.kv_used_tokens,
                     "kv_capacity_tokens": stats.kv_capacity_tokens,
                     "num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                    "hold": self.hold, "draining": self.draining,
-                    "kv_at_drain": self.kv_at_drain, "counters": self.counters.__dict__.copy()}
+                    "hold": self.hold, "draining": self.draining, "counters": self.counters.__dict__.copy()}
 
     def export(self) -> list[tuple[GenerationRequest, PromptGroup]]:
         """Abort everything in flight and hand it over (repack source); the worker then holds
