@@ -89,6 +89,9 @@ class RolloutWorker:
         self.counters = WorkerCounters(versions=[version])
         self.last_renew = 0.0
         self.next_lease = 0.0
+        self.pending_lease = None  # an outstanding lease call (the loop never blocks on it)
+        self.leased: list[PromptGroup] = []  # handed out, not started yet (waiting for a pull)
+        self.unacked: list[tuple[Any, list[str]]] = []  # buffer puts not yet acknowledged
 
     # ------------------------------------------------------------------------- schedules
 
@@ -98,7 +101,7 @@ class RolloutWorker:
         t0 = time.perf_counter()
         groups = ray.get(self.prompts.lease.remote(self.id, num_groups), timeout=self._timeout)
         self._start(groups)
-        while (self.active or self.env_wait) and not self.stop_event.is_set():
+        while self.has_work and not self.stop_event.is_set():
             self._tick_or_idle()
         return {"worker": self.id, "groups": len(groups), "seconds": time.perf_counter() - t0,
                 "version": self.engine.version}
@@ -184,7 +187,8 @@ class RolloutWorker:
         with self.lock:
             stats = self.engine.stats()
             return {"worker": self.id, "version": self.engine.version,
-                    "num_reqs": len(self.active), "num_env_wait": len(self.env_wait),
+                    "num_reqs": len(self.active),
+                    "num_env_wait": len(self.env_wait) + sum(len(ids) for _, ids in self.unacked),
                     "kv_used_tokens": stats.kv_used_tokens,
                     "kv_capacity_tokens": stats.kv_capacity_tokens,
                     "num_running": stats.num_running, "num_waiting": stats.num_waiting,
@@ -240,18 +244,23 @@ class RolloutWorker:
         return newest is not None and newest > self.engine.version
 
     def _top_up(self) -> None:
-        """Lease groups whenever a group's worth of slots is free (`batch_groups` groups in
-        flight at most) and admission control allows."""
-        size = self.cfg.rollout.group_size
-        free_groups = (self.cfg.rollout.batch_groups * size - len(self.active)) // size
-        if free_groups <= 0 or time.monotonic() < self.next_lease:
-            return
-        groups = ray.get(self.prompts.lease.remote(self.id, free_groups), timeout=self._timeout)
-        if groups:
-            self._start(groups)
+        """Keep `batch_groups` groups in flight: ask the prompt pool for more whenever a group's
+        worth of slots is free (without blocking the loop; admission control may say no), and
+        start what it handed out unless a newer version is waiting (then after the pull)."""
+        if self.pending_lease is not None and ray.wait([self.pending_lease], timeout=0)[0]:
+            groups = ray.get(self.pending_lease)
+            self.pending_lease = None
+            self.leased.extend(groups)
+            if not groups:
+                self.next_lease = time.monotonic() + 0.05  # admission control: ask again shortly
+        if self.leased and not self.draining:
+            self._start(self.leased)
+            self.leased = []
             self.counters.batches += 1
-        else:
-            self.next_lease = time.monotonic() + 0.05  # admission control: ask again shortly
+        size = self.cfg.rollout.group_size
+        free_groups = (self.cfg.rollout.batch_groups * size - len(self.active)) // size - len(self.leased)
+        if free_groups > 0 and self.pending_lease is None and time.monotonic() >= self.next_lease:
+            self.pending_lease = self.prompts.lease.remote(self.id, free_groups)
 
     def _start(self, groups: list[PromptGroup]) -> None:
         registrations = []
@@ -264,7 +273,8 @@ class RolloutWorker:
                     self.active[req.request_id] = (req, group)
                     self.streamed[req.request_id] = 0
                     self.token_versions[req.request_id] = []
-        ray.get(self.partials.register_many.remote(self.id, registrations), timeout=self._timeout)
+        # ordered before this worker's later updates to the same actor
+        self.partials.register_many.remote(self.id, registrations)
 
     def _tick_or_idle(self) -> None:
         if not self._tick():
@@ -331,15 +341,25 @@ class RolloutWorker:
         heapq.heappush(self.env_wait, (time.monotonic() + delay, traj.traj_id, traj))
 
     def _flush_env(self) -> bool:
+        """Put trajectories whose environment call is over into the buffer (asynchronously);
+        once the buffer has them, drop them from the partial pool and close complete groups."""
         now = time.monotonic()
         ready = []
         while self.env_wait and self.env_wait[0][0] <= now:
             ready.append(heapq.heappop(self.env_wait)[2])
-        if not ready:
-            return False
-        completed = ray.get(self.buffer.put_many.remote(ready), timeout=self._timeout)
-        self.partials.remove.remote([t.traj_id for t in ready])
-        for gid in completed:
-            self.prompts.complete.remote(gid)
-        self.counters.finished += len(ready)
-        return True
+        if ready:
+            self.unacked.append((self.buffer.put_many.remote(ready), [t.traj_id for t in ready]))
+        acked = 0
+        while self.unacked and ray.wait([self.unacked[0][0]], timeout=0)[0]:
+            ref, ids = self.unacked.pop(0)
+            for gid in ray.get(ref):
+                self.prompts.complete.remote(gid)
+            self.partials.remove.remote(ids)
+            self.counters.finished += len(ids)
+            acked += len(ids)
+        return bool(ready) or bool(acked)
+
+    @property
+    def has_work(self) -> bool:
+        """Anything not yet safely in the buffer: decoding, in the environment, or unacked."""
+        return bool(self.active or self.env_wait or self.unacked)
