@@ -207,3 +207,50 @@ def test_agentic_workload_runs_every_mode_and_conserves_tokens():
         r = simulate(mode, "72b", 64, cal, warmup=1, measure=1)
         t = r.tokens
         assert t["generated"] == t["trained"] + t["buffered"] + t["in_flight"] + t["discarded"]
+
+
+def _naive_engine(trajs: list[Traj], c: DecodeCurve, cap: int, max_running: int) -> dict:
+    """Reference: one decode step at a time, same admission and preemption rules."""
+    t, kv, running, waiting, out = 0.0, 0, [], list(trajs), {}
+    done = {tr.traj_id: 0 for tr in trajs}
+    limit = cap * 0.99
+    while running or waiting:
+        while waiting and len(running) < max_running:
+            ctx = waiting[0].prompt_len + done[waiting[0].traj_id]
+            if running and kv + ctx + len(running) + 1 > limit:
+                break
+            running.append(waiting.pop(0))
+            kv += ctx
+        while len(running) > 1 and kv + len(running) > cap:
+            tr = running.pop()
+            kv -= tr.prompt_len + done[tr.traj_id]
+            waiting.insert(0, tr)
+        t += c.step_s(len(running), kv)
+        kv += len(running)
+        for tr in list(running):
+            done[tr.traj_id] += 1
+            if done[tr.traj_id] == tr.target:
+                running.remove(tr)
+                kv -= tr.prompt_len + tr.target
+                out[tr.traj_id] = t
+    return out
+
+
+def test_closed_form_segments_match_a_naive_step_by_step_engine():
+    rng = np.random.default_rng(0)
+    c = DecodeCurve(0.004, 2e-4, 3e-7)
+    for trial in range(5):
+        trajs = [Traj(i, i, int(rng.integers(5, 40)), int(rng.integers(1, 120)))
+                 for i in range(int(rng.integers(5, 40)))]
+        cap, max_running = int(rng.integers(600, 3000)), int(rng.integers(4, 32))
+        expected = _naive_engine([Traj(tr.traj_id, tr.group, tr.prompt_len, tr.target)
+                                  for tr in trajs], c, cap, max_running)
+        r = Replica(0, c, cap, max_running, lambda tok, sq: 0.0, quantum=1)
+        r.add(0.0, trajs)
+        got = {}
+        while (t := r.next_time()) is not None:
+            for tr in r.advance_to(t):
+                got[tr.traj_id] = t
+        assert got.keys() == expected.keys()
+        for k in got:
+            assert got[k] == pytest.approx(expected[k], rel=1e-9), (trial, k)

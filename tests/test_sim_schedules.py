@@ -41,6 +41,12 @@ def test_sync_is_generation_plus_training_plus_sync():
     assert period("sync", sync_s=0.05) == pytest.approx(GEN_S + train + 0.05)
 
 
+def test_environment_latency_after_the_last_token_delays_the_batch():
+    # A constant 0.3 s reward sandbox after every trajectory: sync waits for it.
+    train = TOKENS * 1e-4
+    assert period("sync", env_median_s=0.3, env_sigma=0.0) == pytest.approx(GEN_S + 0.3 + train)
+
+
 def test_sync_controller_is_serial_work_before_the_trainer():
     # 4 mini-batches; the controller (1e-4 s/token) is as slow as the trainer, so only the
     # last mini-batch's training is not hidden behind it.
@@ -120,11 +126,11 @@ def test_repack_moves_tails_within_a_version_and_never_mixes_versions():
 
 def test_partial_rollout_mixes_versions_and_the_others_do_not():
     cal = Calibration(decode_quantum=64)
-    # A fast trainer and eta = 1 keep the backlog short, so interrupted (mixed-version)
-    # trajectories reach the trainer within a few updates.
-    r = simulate("partial", "72b", 64, cal.with_overrides(partial_staleness_bound=1.0,
-                                                          partial_trainer_mfu=0.6),
-                 warmup=1, measure=2)
+    # A trainer faster than the rollouts and eta = 1 keep the backlog short, so interrupted
+    # (mixed-version) trajectories reach the trainer within a few updates.
+    fast = cal.with_overrides(partial_staleness_bound=1.0, partial_trainer_mfu=1.0,
+                              trainer_update_s_per_gb=0.0)
+    r = simulate("partial", "72b", 64, fast, warmup=1, measure=2)
     assert r.mixed_version_trajs > 0
     assert max(r.staleness) <= 2  # eta = 1 bounds how late a leased group is consumed
     for mode in ("sync", "one_step", "stream"):

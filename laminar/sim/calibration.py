@@ -22,11 +22,11 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class Calibration:
     # --- rollout engine in the RL setting -------------------------------------------------
-    step_overhead_ms: float = 10.0
+    step_overhead_ms: float = 0.0
     """Fixed cost added to every decode step over Fig. 4's microbenchmark (scheduler, sampler
     with log-probs, data streaming). Fitted with `seq_overhead_ms` to Fig. 9's replica
     timeline (KV full at ~160 s, queue empty ~325 s, batch done ~675 s); see docs."""
-    seq_overhead_ms: float = 0.15
+    seq_overhead_ms: float = 0.07
     """Per running sequence per step on top of Fig. 4 (per-sequence sampling and log-prob
     work). From the same Fig. 9 fit."""
     gpu_mem_util: float = 0.8
@@ -46,13 +46,18 @@ class Calibration:
     the smallest-scale points, where Table 2 makes every system trainer-bound (e.g. 72B @ 64,
     32B @ 32), land near the paper."""
 
+    trainer_update_s_per_gb: float = 0.5
+    """Fixed trainer work per weight update, per GB of weights (gathering full weights for
+    the hand-off, optimizer bookkeeping, data loading): what more GPUs do not shrink. The
+    paper's trainer-bound laminar points lose per-GPU efficiency with scale (32B: 1.3k
+    tokens/s/GPU at 16 trainer GPUs, 0.96k at 128), which a fixed cost per update explains."""
     partial_trainer_mfu: float = 0.25
     """AReaL's trainer is Megatron-LM, not FSDP (§8.1), so its MFU is its own. The paper's
     7B @ 32 point bounds it: AReaL with 16 trainer GPUs (54.9k tokens/s) stays below laminar
     with 24 (66.6k), which needs a lower per-GPU training rate than laminar's."""
 
     # --- verl-based baselines (sync, one_step, stream) -------------------------------------
-    controller_us_per_token: float = 15.0
+    controller_us_per_token: float = 14.0
     """Serial work per prompt+response token at the global barrier of the verl-based
     baselines: the single controller gathers the batch, computes rule-based rewards and packs
     mini-batches before the trainer can use them (pipelined with the trainer per mini-batch).
@@ -72,9 +77,14 @@ class Calibration:
     spaced through its response; 0 = the single-turn math workload of Fig. 11."""
     tool_median_s: float = 2.0  # tool-call latency, log-normal (Fig. 2 right: skewed)
     tool_sigma: float = 1.0
+    env_median_s: float = 0.0
+    """Environment (reward sandbox) latency after the last token, log-normal with
+    `env_sigma`, clipped at `env_max_s`; 0 = off. `laminar bench modes` uses one."""
+    env_sigma: float = 1.0
+    env_max_s: float = float("inf")
 
     # --- laminar ----------------------------------------------------------------------------
-    inflight_batches: float = 1.0
+    inflight_batches: float = 0.75
     """Laminar: trajectories a rollout leases per batch = this x global batch / replicas
     (capped at 1024, §8.1), so about this many global batches are in flight. The paper's
     staleness (mostly 1-2, max 4) implies about one."""
@@ -85,7 +95,7 @@ class Calibration:
 
     # --- partial rollout (AReaL) --------------------------------------------------------
     partial_staleness_bound: float = float("inf")  # η; ∞ in the paper's throughput runs
-    partial_inflight_batches: float = 0.5
+    partial_inflight_batches: float = 0.25
     """AReaL: trajectories generating at once across all rollouts (max_concurrent_rollouts)
     = this x global batch, split evenly over replicas (each at most 1024)."""
 

@@ -48,6 +48,7 @@ class Setup:
     broadcast_s: float  # laminar: master relay to the last relay
     pull_s: float  # laminar: rollout loading from its local relay
     controller_s_per_token: float  # verl-based baselines: serial work at the barrier
+    update_overhead_s: float  # fixed trainer work per weight update
     lengths: LengthDistribution
     prompts: int = paper.BATCH["prompts"]
     samples: int = paper.BATCH["samples"]
@@ -73,16 +74,21 @@ class Setup:
     def make_workload(self) -> Workload:
         c = self.cal
         tools = (c.tool_calls_max, c.tool_median_s, c.tool_sigma) if c.tool_calls_max else None
+        env = (c.env_median_s, c.env_sigma, c.env_max_s) if c.env_median_s > 0 else None
         return Workload(self.lengths, self.samples, c.group_corr, c.prompt_median,
-                        c.prompt_sigma, tool_calls=tools, seed=self.seed)
+                        c.prompt_sigma, tool_calls=tools, env_latency=env, seed=self.seed)
 
-    def train_time(self, trajs: Iterable[Traj], n_steps: int, gpus: int | None = None) -> float:
+    def train_time(self, trajs: Iterable[Traj], n_steps: int, gpus: int | None = None,
+                   whole_update: bool = True) -> float:
+        """Trainer seconds for trajs in n_steps optimizer steps; a whole update also pays the
+        fixed per-update work (a mini-batch of a pipelined update does not)."""
         tokens = sq = 0.0
         for tr in trajs:
             n = tr.prompt_len + tr.target
             tokens += n
             sq += n * n
-        return self.train_fn(tokens, sq, n_steps, gpus or self.trainer_gpus)
+        fixed = self.update_overhead_s if whole_update else 0.0
+        return self.train_fn(tokens, sq, n_steps, gpus or self.trainer_gpus) + fixed
 
 
 def paper_setup(mode: str, model: str, gpus: int, cal: Calibration | None = None,
@@ -110,6 +116,7 @@ def paper_setup(mode: str, model: str, gpus: int, cal: Calibration | None = None
         pull_s=costs.relay_pull_s(m),
         controller_s_per_token=(cal.controller_us_per_token / 1e6
                                 if mode in ("sync", "one_step", "stream") else 0.0),
+        update_overhead_s=cal.trainer_update_s_per_gb * m.weight_bytes / 1e9,
         lengths=LengthDistribution.from_points(paper.FIG17_QUANTILES[model],
                                                max_len=paper.BATCH["max_response"]),
         minibatches=paper.BATCH["minibatches_sync" if mode == "sync" else "minibatches_async"],

@@ -12,6 +12,7 @@ curve; defaults mirror laminar's default config on a CPU box):
         "prompt_median": 8, "prompt_sigma": 0.6,
         "rollout_workers": 2, "prompts": 16, "samples": 8, "minibatches": 1,
         "sync_s": 0.05, "push_s": 0.02, "broadcast_s": 0.02, "pull_s": 0.02,
+        "env_median_s": 0.15, "env_sigma": 1.0, "env_max_s": 3.0,   # reward sandbox latency
         "measured": "runs/bench-modes.json"          # optional: `laminar bench modes` JSON
     }}
 
@@ -38,7 +39,8 @@ DEFAULTS: dict[str, Any] = dict(
     trainer_s_per_token=2e-4, trainer_step_overhead_s=0.2,
     lengths={"0.5": 20, "0.9": 45, "0.99": 70, "1.0": 80}, prompt_median=8.0, prompt_sigma=0.6,
     rollout_workers=2, prompts=16, samples=8, minibatches=1,
-    sync_s=0.05, push_s=0.02, broadcast_s=0.02, pull_s=0.02, controller_s_per_token=0.0)
+    sync_s=0.05, push_s=0.02, broadcast_s=0.02, pull_s=0.02, controller_s_per_token=0.0,
+    env_median_s=0.0, env_sigma=1.0, env_max_s=float("inf"))
 KEYS = set(DEFAULTS) | {"decode_latency_ms_by_batch", "engine_bench", "measured"}
 
 
@@ -77,7 +79,9 @@ def local_setup(mode: str, local: dict[str, Any], cal: Calibration, seed: int = 
     workers = int(cfg["rollout_workers"])
     # Responses of tens of tokens: simulate every decode step (quantum 1).
     cal = cal.with_overrides(prompt_median=float(cfg["prompt_median"]),
-                             prompt_sigma=float(cfg["prompt_sigma"]), decode_quantum=1)
+                             prompt_sigma=float(cfg["prompt_sigma"]), decode_quantum=1,
+                             env_median_s=float(cfg["env_median_s"]),
+                             env_sigma=float(cfg["env_sigma"]), env_max_s=float(cfg["env_max_s"]))
     lengths = {float(q): float(v) for q, v in cfg["lengths"].items()}
     return Setup(
         mode=mode, model="local", gpus=workers + 1, trainer_gpus=1, rollout_gpus=workers, tp=1,
@@ -88,6 +92,7 @@ def local_setup(mode: str, local: dict[str, Any], cal: Calibration, seed: int = 
         pull_s=cfg["pull_s"],
         controller_s_per_token=(cfg["controller_s_per_token"]
                                 if mode in ("sync", "one_step", "stream") else 0.0),
+        update_overhead_s=0.0,  # measured trainer time already includes it
         lengths=LengthDistribution.from_points(lengths, min_len=1, max_len=int(max(lengths.values()))),
         prompts=int(cfg["prompts"]), samples=int(cfg["samples"]),
         minibatches=int(cfg["minibatches"]), max_running=int(cfg["max_running"]), seed=seed)

@@ -80,6 +80,10 @@ class Traj:
         """Response length at which it next leaves the decode batch (tool call or end)."""
         return self.tool_at[self.tool_i] if self.tool_i < len(self.tool_at) else self.target
 
+    @property
+    def has_call_at_stop(self) -> bool:
+        return self.tool_i < len(self.tool_at)
+
 
 @dataclass(slots=True)
 class Workload:
@@ -90,6 +94,8 @@ class Workload:
     prompt_sigma: float = 0.4
     max_prompt: int = 2048
     tool_calls: tuple[int, float, float] | None = None  # (max calls, median s, log sigma)
+    env_latency: tuple[float, float, float] | None = None  # after the last token: (median
+    # s, log sigma, max s) — a reward sandbox; the trajectory completes when it returns
     seed: int = 0
     _rng: np.random.Generator = field(init=False, repr=False)
     _next_group: int = field(default=0, init=False)
@@ -117,6 +123,10 @@ class Workload:
                 tr = Traj(self._next_traj, gid, int(prompts[g]), int(targets[g, k]), t_created=now)
                 if self.tool_calls is not None:
                     self._add_tool_calls(tr)
+                if self.env_latency is not None:
+                    median, sigma, cap = self.env_latency
+                    lat = min(cap, median * float(np.exp(sigma * self._rng.standard_normal())))
+                    tr.tool_at, tr.tool_s = tr.tool_at + (tr.target,), tr.tool_s + (lat,)
                 members.append(tr)
                 self._next_traj += 1
             out.append(members)

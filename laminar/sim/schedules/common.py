@@ -43,14 +43,14 @@ def train_pipeline(setup: Setup, parts: list[tuple[float, list[Traj]]], controll
     """The verl-based baselines' update: each mini-batch passes the single controller
     (serial, `controller_s_per_token`) and then the trainer; the two stages pipeline.
     parts = [(ready time, trajectories)]. Returns (controller free, trainer free, busy)."""
-    busy = 0.0
+    busy = setup.update_overhead_s
     for ready, part in parts:
         controller_free = max(controller_free, ready) + setup.controller_s_per_token * sum(
             tr.prompt_len + tr.target for tr in part)
-        dt = setup.train_time(part, 1, gpus)
+        dt = setup.train_time(part, 1, gpus, whole_update=False)
         trainer_free = max(trainer_free, controller_free) + dt
         busy += dt
-    return controller_free, trainer_free, busy
+    return controller_free, trainer_free + setup.update_overhead_s, busy
 
 
 def minibatches_by_completion(batch: list[Traj], n: int) -> list[tuple[float, list[Traj]]]:

@@ -1,14 +1,16 @@
 """laminar: trajectory-level asynchrony. Nobody waits for a batch.
 
-    rollout r:  lease a batch -> generate (one version) -> batch done or released by repack
-                -> pull the newest version from its local relay -> lease the next batch
-    trainer:    512 complete groups (FIFO) -> update -> push to the master relay (short
-                stall) -> relays broadcast down the chain in the background
+    rollout r:  top up to its lease cap with groups of its current version; once a newer
+                version is at its relay, stop admitting and drain (repack may take the tail),
+                then pull the newest version and top up again — one trajectory, one version
+    trainer:    512 complete groups (first in, first out) -> update -> push to the master
+                relay (a short stall) -> relays broadcast down the chain in the background
     manager:    every 5 s and after each update, Algorithm 1 (laminar.manager.repack) moves
                 the unfinished trajectories of ramp-down rollouts to others of the same version
 
-A rollout leases `inflight_batches * global batch / replicas` trajectories at a time (whole
-groups, at most 1024), so about one global batch is in flight.
+This is the policy of the runtime's rollout worker (`laminar/rollout/worker.py, run_free`).
+A rollout's lease cap is `inflight_batches * global batch / replicas` trajectories (whole
+groups, at most 1024; the runtime's `rollout.batch_groups`).
 """
 
 from __future__ import annotations
@@ -26,33 +28,41 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
     replicas, work = setup.make_replicas(), setup.make_workload()
     buffer = GroupBuffer(setup.samples)
     cal = setup.cal
-    lease_groups = max(1, min(setup.max_running // setup.samples,
-                              round(cal.inflight_batches * setup.prompts / len(replicas))))
+    cap = setup.samples * max(1, min(setup.max_running // setup.samples, round(
+        cal.inflight_batches * setup.prompts / len(replicas))))
     bound = costs.roofline_batch(setup.curve, 4096, cal.roofline_factor)
     state = {"version": 0, "at_relays": 0, "training": False, "trainer_free": 0.0}
     kv_prev = {r.rid: 0 for r in replicas}
     pulling: set[int] = set()
 
-    def lease(r: Replica, t: float) -> None:
-        kv_prev[r.rid] = 0  # a fresh batch ramps up; only a fall from here is ramp-down
-        trajs = [tr for g in work.groups(lease_groups, t) for tr in g]
-        for tr in trajs:
-            tr.version, tr.versions = r.version, 1
-        collect(r.add(t, trajs), t)
-        waker.wake(r)
+    def draining(r: Replica) -> bool:
+        return state["at_relays"] > r.version
 
-    def batch_done(r: Replica, t: float) -> None:
-        """Pull the newest complete version if there is one, then lease new work."""
-        if state["at_relays"] > r.version:
-            pulling.add(r.rid)
-            clock.at(t + setup.pull_s, pulled, r, state["at_relays"])
-        else:
-            lease(r, t)
+    def top_up(r: Replica, t: float) -> None:
+        """Lease whole groups of r's version while there is room and no newer version."""
+        if r.rid in pulling:
+            return
+        if draining(r):
+            if r.is_idle:  # drained: pull the newest version, then fill up again
+                pulling.add(r.rid)
+                clock.at(t + setup.pull_s, pulled, r, state["at_relays"])
+            else:
+                waker.wake(r)
+            return
+        free = (cap - r.num_reqs) // setup.samples
+        if free > 0:
+            if r.is_idle:
+                kv_prev[r.rid] = 0  # a fresh fill ramps up; only a fall from here is ramp-down
+            trajs = [tr for g in work.groups(free, t) for tr in g]
+            for tr in trajs:
+                tr.version, tr.versions = r.version, 1
+            collect(r.add(t, trajs), t)
+        waker.wake(r)
 
     def pulled(r: Replica, version: int) -> None:
         pulling.discard(r.rid)
         r.version = version
-        lease(r, clock.now)
+        top_up(r, clock.now)
 
     def collect(finished: list[Traj], t: float) -> None:
         for tr in finished:
@@ -62,10 +72,7 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
 
     def on_replica(r: Replica, t: float) -> None:
         collect(r.advance_to(t), t)
-        if r.is_idle:
-            batch_done(r, t)
-        else:
-            waker.wake(r)
+        top_up(r, t)
 
     def maybe_train(t: float) -> None:
         if state["training"] or ledger.num_updates >= warmup + measure:
@@ -85,12 +92,14 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
         state["training"] = False
         state["trainer_free"] = t + setup.push_s  # stall while handing off to the master
         clock.at(t + setup.push_s + setup.broadcast_s, published, state["version"])
-        if repack:
-            check(t)
         maybe_train(t)
 
     def published(version: int) -> None:
         state["at_relays"] = max(state["at_relays"], version)
+        for r in replicas:  # every rollout notices at its next tick: stop admitting, drain
+            top_up(r, clock.now)
+        if repack:
+            check(clock.now)  # §5.1: repack right after an update frees rollouts sooner
 
     def check(t: float) -> None:
         loads = []
@@ -112,16 +121,20 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
             waker.wake(d)
             ledger.repacks += 1
             ledger.moved_trajs += len(moved)
-            batch_done(s, t)
+            top_up(s, t)  # released: pulls if a newer version is out, else fills up again
 
     def periodic() -> None:
         check(clock.now)
-        if ledger.num_updates < warmup + measure:
-            clock.at(clock.now + cal.repack_check_s, periodic)
+        if ledger.num_updates >= warmup + measure:
+            return
+        if not (state["training"] or pulling or any(not r.is_idle for r in replicas)):
+            raise RuntimeError(f"laminar simulation stalled at t={clock.now:.1f}s: no rollout "
+                               "busy, none pulling and the trainer idle")
+        clock.at(clock.now + cal.repack_check_s, periodic)
 
     waker = Waker(clock, on_replica)
     for r in replicas:
-        lease(r, 0.0)
+        top_up(r, 0.0)
     if repack:
         clock.at(cal.repack_check_s, periodic)
     clock.run(until=lambda: ledger.num_updates >= warmup + measure)
