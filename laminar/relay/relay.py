@@ -58,7 +58,13 @@ def segment_prefix(job: str, relay_id: str) -> str:
     return f"lam-{job}-{relay_id}"
 
 
+HISTORY = 16  # versions whose completion times a heartbeat reports
+
+
 class Relay:
+    """One relay. Starts listening and forwarding on construction; `stop()` ends it and
+    removes its shared memory."""
+
     def __init__(self, relay_id: str, job: str, secret: bytes, cfg: RelayConfig | None = None) -> None:
         self.cfg = cfg = cfg or RelayConfig()
         self.id, self.job, self.secret = relay_id, job, secret
@@ -110,7 +116,7 @@ class Relay:
         return self._publish(version)
 
     def _publish(self, version: int) -> dict[str, Any]:
-        self.completed_at[version] = time.time()  # before readers can see it
+        self._on_complete(version)  # before readers can see it
         self.store.publish(version)
         return {"version": version, "completed_at": self.completed_at[version]}
 
@@ -200,7 +206,7 @@ class Relay:
         return getattr(self, op)(**args)
 
     def _on_complete(self, version: int) -> None:
-        self.completed_at[version] = time.time()
+        _record(self.completed_at, version, time.time())
 
     def _downstream_loop(self) -> None:
         while not self._stop.is_set():
@@ -259,7 +265,7 @@ class Relay:
                 self.store.unpin(buf)
             if ok:
                 sent = buf.version
-                self.forwarded_at[sent] = time.time()
+                _record(self.forwarded_at, sent, time.time())
             idle_since = time.monotonic()
 
     def _cut(self, dead: str, err: Exception) -> None:
@@ -268,9 +274,15 @@ class Relay:
                 return
             self.plan = repair(self.plan, dead)
             new = self.plan.successor(self.id)
-        self.failures.append({"relay": dead, "time": time.time(), "error": str(err)})
+        self.failures = [*self.failures[-HISTORY + 1:], {"relay": dead, "time": time.time(), "error": str(err)}]
         log.warning("relay %s: successor %s is unreachable (%s); chain repaired, now feeding %s",
                     self.id, dead, err, new)
+
+
+def _record(times: dict[int, float], version: int, t: float) -> None:
+    times[version] = t
+    for v in sorted(times)[:-HISTORY]:
+        del times[v]
 
 
 # ---------------------------------------------------------------------------------------------
