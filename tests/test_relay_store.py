@@ -174,6 +174,29 @@ def test_versions_a_reader_holds_are_kept_intact_and_released_after(prefix):
         store.close()
 
 
+def test_a_reader_lets_go_of_slots_the_owner_removed(prefix):
+    """Regression: a removed extra slot is never re-created under its name, so a reader that
+    kept it mapped would pin its memory for good."""
+    store = WeightStore(SHM, prefix, keep_versions=2)
+    reader = ShmReader(SHM, prefix)
+    try:
+        put_version(store, 1)
+        held = reader.open_latest()  # holds s0 while three newer versions arrive
+        for v in (2, 3, 4):
+            put_version(store, v)
+        assert len(slot_files(prefix)) == 3
+        held.close()
+        store.collect()  # s0 is spare and free now: removed
+        assert len(slot_files(prefix)) == 2
+        with reader.open_latest() as snap:
+            assert snap.version == 4
+        assert f"{prefix}.s0" not in reader.mapped_slots()
+        assert set(reader.mapped_slots()) <= set(slot_files(prefix))
+    finally:
+        reader.close()
+        store.close()
+
+
 def test_a_new_store_removes_files_a_killed_owner_left_behind(prefix):
     store = WeightStore(SHM, prefix)
     put_version(store, 1)

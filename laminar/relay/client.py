@@ -155,6 +155,8 @@ class Pusher:
         """Write straight into a slot the master reserved, then have it publish: one copy."""
         reply = self._request(info, "reserve", header=header.to_bytes().decode())
         path = Path(reply["slot"])
+        for gone in [p for p in self._writers if p != path and not p.exists()]:
+            self._writers.pop(gone).close()  # the master removed that slot: free our mapping
         w = self._writers.get(path)
         if w is None or os.stat(path).st_ino != w.ino or w.size < header.file_size:
             if w is not None:

@@ -71,6 +71,8 @@ class ShmReader:
 
     def _acquire(self, slot_name: str) -> _Mapping:
         with self._lock:
+            for gone in [n for n in self._maps if n != slot_name and not (self.directory / n).exists()]:
+                self._forget(gone)  # the owner removed that slot: do not keep its pages alive
             path = self.directory / slot_name
             m = self._maps.get(slot_name)
             if m is None or os.stat(path).st_ino != m.ino:
@@ -94,6 +96,11 @@ class ShmReader:
         m = self._maps.pop(slot_name, None)
         if m is not None and m.users == 0:
             m.close()
+
+    def mapped_slots(self) -> list[str]:
+        """Slot files this reader keeps mapped (each costs address space, not a copy)."""
+        with self._lock:
+            return sorted(self._maps)
 
     def close(self) -> None:
         with self._lock:
