@@ -152,7 +152,10 @@ class TrainerConfig(Section):
     micro_batch_tokens: int = Field(4096, ge=1, description="Padded tokens per forward pass; "
                                     "gradients accumulate over micro-batches of similar length.")
     total_steps: int = Field(30, ge=1, description="Global batches to train (weight versions).")
-    checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps; 0 = only at the end.")
+    checkpoint_every: int = Field(10, ge=0, description="Save a checkpoint every N steps (0 = only "
+                                  "at the end). A trainer that dies restarts from the newest one.")
+    max_restarts: int = Field(3, ge=0, description="Times the trainer actor is restarted after "
+                              "a crash (from its newest checkpoint) before the run fails.")
     threads: int = Field(2, ge=1, description="torch threads for training.")
     bf16: bool = Field(False, description="bfloat16 autocast for forward/backward (fp32 master weights).")
     resume: str | None = Field(None, description="Checkpoint directory to resume from.")

@@ -111,7 +111,8 @@ class Runtime:
             pin = self._pin(self.placement.relay_node[relay_id])
             self.workers[wid] = worker_cls.options(**threaded, **pin).remote(
                 wid, cfg, self.model_dir, infos[relay_id], self.pools, self.start_version)
-        self.trainer = ray.remote(TrainerWorker).options(**threaded).remote(
+        self.trainer = ray.remote(TrainerWorker).options(
+            **threaded, max_restarts=cfg.trainer.max_restarts).remote(
             cfg, self.model_dir, self.relays.plan.to_dict(), secret.encode(), self.pools)
         self.manager = ray.remote(RolloutManager).options(**threaded).remote(cfg, self.workers, self.pools)
         for handle in self.workers.values():

@@ -36,6 +36,7 @@ def _wait_version(rt, version, timeout=120):
 def _check_nothing_lost(cfg, report, steps):
     trained = [json.loads(line) for line in
                (cfg.resolved_run_dir / "trajectories.jsonl").read_text().splitlines()]
+    trained = [t for t in trained if "traj_id" in t]
     assert len({t["traj_id"] for t in trained}) == len(trained)
     assert set(Counter(t["group_id"] for t in trained).values()) == {cfg.rollout.group_size}
     acct = report["prompts"]
@@ -57,7 +58,8 @@ def test_a_killed_rollout_loses_nothing_and_training_goes_on(tmp_path, ray_clust
             assert time.monotonic() < deadline
             time.sleep(0.01)
         ray.kill(victim, no_restart=True)
-        assert follower.follow(training) == cfg.trainer.total_steps
+        assert follower.follow(lambda: rt.trainer.run.remote(cfg.trainer.total_steps),
+                               started=training) == cfg.trainer.total_steps
         report = finish(rt, cfg, loops)
     manager = report["manager"]
     assert manager["dead_workers"] == 1 and manager["dead"] == ["rollout0"]
@@ -82,10 +84,42 @@ def test_rollouts_join_and_leave_a_running_job(tmp_path, ray_cluster):
         at_retire = len(ray.get(rt.trainer.metrics_since.remote(0)))
         _wait_version(rt, at_retire + 2)  # training goes on without rollout0
         rt.trainer.stop.remote()
-        version = follower.follow(training)
+        version = follower.follow(lambda: rt.trainer.run.remote(cfg.trainer.total_steps),
+                                  started=training)
         snap = ray.get(joined.snapshot.remote())
         report = finish(rt, cfg, loops)
     assert wid == "rollout2"
     assert snap["counters"]["versions"][0] == 0 and len(snap["counters"]["versions"]) >= 2
     assert report["manager"]["retired_workers"] == 1
     _check_nothing_lost(cfg, report, version)
+
+
+def test_a_killed_trainer_restarts_from_its_checkpoint_and_loses_no_data(tmp_path, ray_cluster):
+    import os
+    import signal
+
+    cfg = load_config(None, TINY + [f"run_dir={tmp_path}", "trainer.total_steps=6",
+                                    "trainer.checkpoint_every=2"])
+    model_dir, _ = start_weights(cfg)
+    with Runtime(cfg, model_dir, max_outstanding=8) as rt:
+        loops, training = _start(rt, cfg)
+        follower = Follower(rt, cfg)
+        _wait_version(rt, 3)  # a checkpoint at 2, one update after it
+        os.kill(ray.get(rt.trainer.pid.remote()), signal.SIGKILL)  # the real process
+        assert follower.follow(lambda: rt.trainer.run.remote(cfg.trainer.total_steps),
+                               started=training) == cfg.trainer.total_steps
+        report = finish(rt, cfg, loops)
+    lines = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    restart = next(i for i, line in enumerate(lines) if line.get("event") == "trainer_restart")
+    assert lines[restart]["resumed_at"] == 2 and lines[restart]["requeued_groups"] >= 4
+    # the model's lineage: what was trained up to the checkpoint, then everything after the restart
+    kept = [t for t in lines[:restart] if t["trained_at"] < 2] + lines[restart + 1:]
+    assert len({t["traj_id"] for t in kept}) == len(kept)  # nothing trained twice in the lineage
+    groups = Counter(t["group_id"] for t in kept)
+    assert set(groups.values()) == {cfg.rollout.group_size}
+    # updates pushed after the checkpoint are lost; numbering goes on after the newest published
+    mark = lines[restart]
+    updates = mark["resumed_at"] + cfg.trainer.total_steps - mark["continues_at"]
+    assert len(groups) == updates * cfg.trainer.prompts_per_step
+    acct = report["prompts"]
+    assert acct["issued"] == acct["leased"] + acct["returned"] + acct["completed"]

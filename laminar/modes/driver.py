@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,7 @@ class Follower:
 
     def poll(self) -> int:
         """Log the trainer rows that arrived since the last poll; returns how many."""
-        rows = ray.get(self.rt.trainer.metrics_since.remote(self.seen), timeout=60)
+        rows = ray.get(self.rt.trainer.metrics_since.remote(self.seen), timeout=self.cfg.cluster.wait_timeout_s)
         snaps = self.rt.worker_snapshots()
         self.kv_samples += [s["kv_used_tokens"] / s["kv_capacity_tokens"] for s in snaps.values()
                             if s["num_reqs"]]
@@ -83,14 +84,27 @@ class Follower:
         self.seen += len(rows)
         return len(rows)
 
-    def follow(self, ref: Any, poll_s: float = 0.5) -> Any:
-        """Log rows until `ref` (the trainer's long call) finishes; returns its value."""
+    def follow(self, call: Callable[[], Any], started: Any = None, poll_s: float = 0.5) -> Any:
+        """Run `call()` (it returns a trainer method's ref; `started`: one already made) and log
+        rows until it finishes; returns its value. If the trainer dies meanwhile, Ray restarts it
+        (it recovers from its newest checkpoint) and the call is made again; rollouts go on."""
+        restarts = self.cfg.trainer.max_restarts
+        ref = started if started is not None else call()
         while True:
             ready, _ = ray.wait([ref], timeout=poll_s)
-            self.poll()
-            if ready:
+            try:
                 self.poll()
-                return ray.get(ref)
+                if ready:
+                    value = ray.get(ref)
+                    self.poll()
+                    return value
+            except ray.exceptions.RayActorError:
+                if restarts == 0:
+                    raise
+                restarts -= 1
+                print("laminar: the trainer died; it restarts from its newest checkpoint", flush=True)
+                self.seen = 0  # the restarted actor keeps a fresh history
+                ref = call()
 
 
 def finish(rt: Runtime, cfg: Config, running: list[Any]) -> dict[str, Any]:

@@ -22,5 +22,5 @@ def run(cfg: Config) -> dict[str, Any]:
     with Runtime(cfg, model_dir, version, max_outstanding=bound) as rt:
         loops = [w.run_free.remote("laminar") for w in rt.workers.values()]
         loops.append(rt.manager.run.remote(repack=cfg.manager.repack))
-        Follower(rt, cfg).follow(rt.trainer.run.remote(cfg.trainer.total_steps))
+        Follower(rt, cfg).follow(lambda: rt.trainer.run.remote(cfg.trainer.total_steps))
         return finish(rt, cfg, loops)

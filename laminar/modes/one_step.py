@@ -20,8 +20,7 @@ def run(cfg: Config) -> dict[str, Any]:
         batches.wait(rt, batches.generate(rt, B), "generation")       # batch 0 with v0
         while version < total:
             nxt = batches.generate(rt, B) if version + 1 < total else []   # batch i+1 with v_i
-            follower.follow(rt.trainer.train_once.remote())           # ... while training batch i
-            version += 1
+            version = follower.follow(rt.trainer.train_once.remote)["version"]  # ... while training i
             batches.wait(rt, nxt, "generation")
             batches.sync_weights(rt, version)                         # global sync: v_{i+1}
         return finish(rt, cfg, [])

@@ -26,8 +26,7 @@ def run(cfg: Config) -> dict[str, Any]:
         loops.append(rt.manager.run.remote(repack=False))
         follower = Follower(rt, cfg)
         while version < cfg.trainer.total_steps:
-            follower.follow(rt.trainer.train_once.remote())  # train on B groups, push v+1
-            version += 1
+            version = follower.follow(rt.trainer.train_once.remote)["version"]  # train, push v+1
             rt.wait({f"interrupt of {w}": h.interrupt_and_swap.remote(version)  # everyone swaps
                      for w, h in rt.workers.items()})
         return finish(rt, cfg, loops)

@@ -27,6 +27,5 @@ def run(cfg: Config) -> dict[str, Any]:
                 if version > first:
                     batches.sync_weights(rt, version)                 # global sync at iteration end
                 gen = batches.generate(rt, B)                         # batch i+1, overlapping training
-            follower.follow(training)
-            version += 1
+            version = follower.follow(rt.trainer.train_streaming.remote, started=training)["version"]
         return finish(rt, cfg, [])

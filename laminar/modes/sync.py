@@ -20,7 +20,6 @@ def run(cfg: Config) -> dict[str, Any]:
         follower = Follower(rt, cfg)
         while version < cfg.trainer.total_steps:
             batches.wait(rt, batches.generate(rt, B), "generation")   # all rollouts, version v
-            follower.follow(rt.trainer.train_once.remote())           # trainer: v -> v+1
-            version += 1
+            version = follower.follow(rt.trainer.train_once.remote)["version"]  # trainer: v -> v+1
             batches.sync_weights(rt, version)                         # everyone loads v+1
         return finish(rt, cfg, [])

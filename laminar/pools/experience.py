@@ -4,6 +4,8 @@
   duplicates a sample.
 - A group is released only when all of its samples are in (its advantages need all of them).
 - `sample` takes complete groups by a pluggable policy, FIFO by completion by default.
+- Groups released to the trainer stay held until it acknowledges a checkpoint (`ack`); if it
+  dies, `requeue_unacked` gives them back, so a trainer crash loses no data.
 - An optional max-staleness filter drops groups with a sample older than the bound at
   sampling time; drops are counted and reported, never silent. Admission control (pacing the
   rollouts) is the better tool — dropping biases training toward short responses.
@@ -43,6 +45,7 @@ class ExperienceBuffer:
         self.seen: set[str] = set()  # every trajectory id ever put
         self.filling: dict[str, list[Trajectory]] = {}  # group id -> samples so far
         self.complete: list[list[Trajectory]] = []  # in completion order
+        self.unacked: list[list[Trajectory]] = []  # released to the trainer, not yet checkpointed
         self.stats = BufferStats()
 
     def put(self, traj: Trajectory) -> bool:
@@ -79,7 +82,22 @@ class ExperienceBuffer:
         for i in reversed(picks):
             del self.complete[i]
         self.stats.groups_released += len(taken)
+        self.unacked.extend(taken)
         return taken
+
+    def ack(self) -> int:
+        """The trainer checkpointed everything it took so far: forget it."""
+        n, self.unacked = len(self.unacked), []
+        return n
+
+    def requeue_unacked(self) -> int:
+        """The trainer died and restarts from its last checkpoint: what it took since then goes
+        back to the front, to be trained again (at-least-once delivery; nothing is lost)."""
+        n = len(self.unacked)
+        self.complete[:0] = self.unacked
+        self.stats.groups_released -= n
+        self.unacked = []
+        return n
 
     def _drop_stale(self, trainer_version: int) -> None:
         keep = []

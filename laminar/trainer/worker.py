@@ -14,8 +14,11 @@ consecutive updates).
 from __future__ import annotations
 
 import json
+import os
 import threading
+import warnings
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -44,9 +47,14 @@ class TrainerWorker:
             extra = self.trainer.load_checkpoint(cfg.trainer.resume)
             ray.get(self.prompts.load_state_dict.remote(extra["prompts"]))
         self.pusher = Pusher(ChainPlan.from_dict(plan), secret, cfg.relay)
-        if not cfg.trainer.resume:
-            set_aside(cfg.resolved_run_dir / "trajectories.jsonl")
         self.history: list[dict[str, Any]] = []
+        with warnings.catch_warnings():  # Ray's own property trips its deprecation warning
+            warnings.simplefilter("ignore")
+            restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if restarted:
+            self._recover()
+        elif not cfg.trainer.resume:
+            set_aside(cfg.resolved_run_dir / "trajectories.jsonl")
         self.last_update: float | None = None
         self.idle_s = 0.0
         self.stop_event = threading.Event()
@@ -55,10 +63,36 @@ class TrainerWorker:
     def version(self) -> int:
         return self.trainer.version
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def publish(self) -> float:
         """Push the current weights to the master relay; returns the stall in seconds."""
         result = self.pusher.push(self.trainer.named_weights(), self.trainer.version)
+        self._state_file.write_text(json.dumps({"published": self.trainer.version}))
         return result.seconds
+
+    @property
+    def _state_file(self) -> Path:
+        return self.cfg.resolved_run_dir / "trainer_published.json"
+
+    def _recover(self) -> None:
+        """This actor was restarted after a crash: reload the newest checkpoint of the run, take
+        back from the buffer what was trained since, and go on numbering after the newest
+        version already published (rollouts only pull newer ones)."""
+        ckpts = sorted(p for p in (self.cfg.resolved_run_dir / "checkpoints").glob("step_*")
+                       if not p.name.endswith(".tmp"))
+        if ckpts:
+            self.trainer.load_checkpoint(ckpts[-1])
+        requeued = ray.get(self.buffer.requeue_unacked.remote())
+        self.prompts.mark_consumed.remote(-requeued)
+        published = json.loads(self._state_file.read_text())["published"] if self._state_file.exists() else -1
+        resumed_at = self.trainer.version
+        self.trainer.version = max(self.trainer.version, published)
+        with (self.cfg.resolved_run_dir / "trajectories.jsonl").open("a") as f:
+            f.write(json.dumps({"event": "trainer_restart", "checkpoint": str(ckpts[-1]) if ckpts else None,
+                                "resumed_at": resumed_at, "continues_at": self.trainer.version,
+                                "requeued_groups": requeued}) + "\n")
 
     def set_plan(self, plan: dict[str, Any]) -> None:
         from laminar.relay.plan import ChainPlan
@@ -126,6 +160,11 @@ class TrainerWorker:
             stats = self.trainer.finish_global_batch()
         else:
             stats = self.trainer.train_step(trajs)
+        every = self.cfg.trainer.checkpoint_every
+        if (every and self.trainer.version % every == 0) or self.trainer.version == self.cfg.trainer.total_steps:
+            self.checkpoint()
+        if not every or self.trainer.version % every == 0:
+            self.buffer.ack.remote()  # checkpointed (or no recovery asked for): release the data
         stall = self.publish()
         now = time.perf_counter()
         summary = summarize(trajs)
@@ -138,9 +177,6 @@ class TrainerWorker:
                "trainer_idle_s": self.idle_s}
         self.idle_s = 0.0
         self.history.append(row)
-        every = self.cfg.trainer.checkpoint_every
-        if (every and self.trainer.version % every == 0) or self.trainer.version == self.cfg.trainer.total_steps:
-            self.checkpoint()
         return row
 
     def _record(self, trajs: list[Trajectory]) -> None:
