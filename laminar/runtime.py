@@ -165,6 +165,21 @@ class Runtime:
         self.workers[wid] = handle
         return wid, handle
 
+    def check_relays(self) -> list[str]:
+        """Heartbeat the relays; cut dead ones out of the chain (a dead master's successor takes
+        over), tell the trainer the new plan, and point rollouts whose relay died at a live one
+        (on one machine every relay's shared memory is local). Returns the dead relay ids."""
+        dead = self.relays.check()
+        if dead:
+            self.trainer.set_plan.remote(self.relays.plan.to_dict())
+            live = list(self.relays.plan.order)
+            for k, (wid, relay_id) in enumerate(sorted(self.placement.worker_relay.items())):
+                if relay_id in dead and live and wid in self.workers:
+                    new = live[k % len(live)]
+                    self.placement.worker_relay[wid] = new
+                    self.workers[wid].set_relay.remote(self.relays.infos[new].to_dict())
+        return dead
+
     # ------------------------------------------------------------------------- waits
 
     def wait(self, refs: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:

@@ -123,3 +123,26 @@ def test_a_killed_trainer_restarts_from_its_checkpoint_and_loses_no_data(tmp_pat
     assert len(groups) == updates * cfg.trainer.prompts_per_step
     acct = report["prompts"]
     assert acct["issued"] == acct["leased"] + acct["returned"] + acct["completed"]
+
+
+def test_a_killed_relay_is_cut_out_and_training_goes_on(tmp_path, ray_cluster):
+    import os
+    import signal
+
+    cfg = load_config(None, TINY + [f"run_dir={tmp_path}", "trainer.total_steps=30",
+                                    "relay.heartbeat_s=0.2", "relay.timeout_s=2"])
+    model_dir, _ = start_weights(cfg)
+    with Runtime(cfg, model_dir, max_outstanding=8) as rt:
+        loops, training = _start(rt, cfg)
+        follower = Follower(rt, cfg)
+        _wait_version(rt, 2)
+        os.kill(rt.relays.pids["node1"], signal.SIGKILL)  # rollout1's relay, the chain's tail
+        # the driver's follow loop notices at its next relay check and repairs the chain
+        assert follower.follow(lambda: rt.trainer.run.remote(cfg.trainer.total_steps),
+                               started=training) == cfg.trainer.total_steps
+        snap = ray.get(rt.workers["rollout1"].snapshot.remote())
+        order = list(rt.relays.plan.order)
+        report = finish(rt, cfg, loops)
+    assert order == ["node0"]
+    assert max(snap["counters"]["versions"]) >= 3  # rollout1 kept pulling new versions via node0
+    _check_nothing_lost(cfg, report, cfg.trainer.total_steps)

@@ -47,9 +47,17 @@ class Follower:
         self.last_t = time.monotonic()
         self.last_counters: dict[str, dict[str, Any]] = {}
         self.kv_samples: list[float] = []
+        self.last_relay_check = time.monotonic()
 
     def poll(self) -> int:
-        """Log the trainer rows that arrived since the last poll; returns how many."""
+        """Log the trainer rows that arrived since the last poll; returns how many. Every
+        `relay.heartbeat_s` also checks the relay chain (and repairs it)."""
+        if time.monotonic() - self.last_relay_check > self.cfg.relay.heartbeat_s:
+            self.last_relay_check = time.monotonic()
+            dead = self.rt.check_relays()
+            if dead:
+                print(f"laminar: relays {dead} died; the chain is now {list(self.rt.relays.plan.order)}",
+                      flush=True)
         rows = ray.get(self.rt.trainer.metrics_since.remote(self.seen), timeout=self.cfg.cluster.wait_timeout_s)
         snaps = self.rt.worker_snapshots()
         self.kv_samples += [s["kv_used_tokens"] / s["kv_capacity_tokens"] for s in snaps.values()

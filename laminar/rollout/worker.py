@@ -231,6 +231,16 @@ class RolloutWorker:
     def set_manager(self, handle: Any) -> None:
         self.manager = handle
 
+    def set_relay(self, relay: dict[str, Any]) -> None:
+        """Pull from another relay from now on (this one's died)."""
+        from laminar.relay.client import Puller
+        from laminar.relay.plan import RelayInfo
+
+        with self.lock:
+            puller = Puller(RelayInfo.from_dict(relay), self.cfg.relay)
+            puller.version = self.engine.version
+            self.puller = puller
+
     # ------------------------------------------------------------------------- the loop
 
     @property
