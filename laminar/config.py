@@ -149,7 +149,7 @@ class TrainerConfig(Section):
     kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the starting model; 0 = off.")
     prompts_per_step: int = Field(16, ge=1, description="Prompt groups in one global batch.")
     mini_batches: int = Field(1, ge=1, description="Optimizer updates per global batch.")
-    micro_batch_tokens: int = Field(4096, ge=1, description="Padded tokens per forward pass; "
+    micro_batch_tokens: int = Field(2048, ge=1, description="Padded tokens per forward pass; "
                                     "gradients accumulate over micro-batches of similar length.")
     total_steps: int = Field(30, ge=1, description="Global batches to train (weight versions).")
     checkpoint_every: int = Field(10, ge=0, description="Save a checkpoint every N steps (0 = only "
