@@ -1,4 +1,4 @@
-"""`laminar train | sft | bench | simulate` — the command line.
+"""`laminar train | sft | bench | report | simulate` — the command line.
 
 Heavy imports (torch, transformers, ray) are deferred into the subcommands so that `--help`
 answers at once. User mistakes (`ConfigError`) print one clear message and exit 2, no traceback.
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a smaller run of about a minute")
     p.add_argument("--out", default=None, help="write the JSON results here")
 
+    p = sub.add_parser("report", help="summary and plots of a run directory")
+    p.add_argument("run_dir", help="e.g. runs/reverse")
+
     p = sub.add_parser("simulate", help="cluster-scale simulator of the five schedules",
                        add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -65,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench":
             module = importlib.import_module(BENCHMARKS[args.name])
             module.main(quick=args.quick, out=args.out)
+        elif args.command == "report":
+            from laminar.report import main as report_main
+
+            report_main(args.run_dir)
         elif args.command == "simulate":
             from laminar.sim.cli import main as simulate_main
 

@@ -25,6 +25,12 @@ def test_sync_run_logs_every_step(tmp_path):
     assert 0.0 <= result["after_eval_reward"] <= 1.0
     assert (tmp_path / "checkpoints" / "step_000002" / "model" / "config.json").is_file()
 
+    from laminar.report import main as report
+
+    summary = report(str(tmp_path))
+    assert summary["steps"] == 2 and summary["staleness_hist"] == {0: 32}
+    assert (tmp_path / "report.png").stat().st_size > 0
+
 
 def test_resume_gives_the_identical_next_step(tmp_path):
     full = tmp_path / "full"
