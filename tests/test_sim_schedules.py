@@ -128,7 +128,7 @@ def test_partial_rollout_mixes_versions_and_the_others_do_not():
     cal = Calibration(decode_quantum=64)
     # A trainer faster than the rollouts and eta = 1 keep the backlog short, so interrupted
     # (mixed-version) trajectories reach the trainer within a few updates.
-    fast = cal.with_overrides(partial_staleness_bound=1.0, partial_trainer_mfu=1.0,
+    fast = cal.with_overrides(max_outstanding_batches=2.0, partial_trainer_mfu=1.0,
                               trainer_update_s_per_gb=0.0)
     r = simulate("partial", "72b", 64, fast, warmup=1, measure=2)
     assert r.mixed_version_trajs > 0

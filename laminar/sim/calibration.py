@@ -22,16 +22,19 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class Calibration:
     # --- rollout engine in the RL setting -------------------------------------------------
-    step_overhead_ms: float = 0.0
+    step_overhead_ms: float = 2.0
     """Fixed cost added to every decode step over Fig. 4's microbenchmark (scheduler, sampler
     with log-probs, data streaming). Fitted with `seq_overhead_ms` to Fig. 9's replica
     timeline (KV full at ~160 s, queue empty ~325 s, batch done ~675 s); see docs."""
-    seq_overhead_ms: float = 0.07
+    seq_overhead_ms: float = 0.0
     """Per running sequence per step on top of Fig. 4 (per-sequence sampling and log-prob
     work). From the same Fig. 9 fit."""
     gpu_mem_util: float = 0.8
     """Fraction of GPU memory the rollout engine may use (vLLM's gpu_memory_utilization);
     the rest of the Fig. 9 fit."""
+    colocated_mem_util: float = 0.5
+    """The same for verl's colocated rollout, which shares its GPUs with the trainer's state:
+    verl's default `actor_rollout_ref.rollout.gpu_memory_utilization` is 0.5."""
     activation_reserve_gb: float = 2.0
     """Per-GPU memory kept for activations and CUDA graphs, outside the KV cache."""
     prefill_mfu: float = 0.5
@@ -41,12 +44,12 @@ class Calibration:
     1 is exact; 16 keeps the full grid within two minutes and moves results by < 1%."""
 
     # --- trainer ----------------------------------------------------------------------------
-    trainer_mfu: float = 0.35
+    trainer_mfu: float = 0.3
     """Trainer model FLOPs utilisation (FSDP + Ulysses SP, long sequences). Chosen so that
     the smallest-scale points, where Table 2 makes every system trainer-bound (e.g. 72B @ 64,
     32B @ 32), land near the paper."""
 
-    trainer_update_s_per_gb: float = 0.5
+    trainer_update_s_per_gb: float = 0.25
     """Fixed trainer work per weight update, per GB of weights (gathering full weights for
     the hand-off, optimizer bookkeeping, data loading): what more GPUs do not shrink. The
     paper's trainer-bound laminar points lose per-GPU efficiency with scale (32B: 1.3k
@@ -69,6 +72,10 @@ class Calibration:
     group_corr: float = 0.5
     """Share of log-length variance common to the 16 samples of one prompt (hard prompts
     are long for every sample). The paper gives no number."""
+    length_max_quantile: float = 0.9999
+    """Where Fig. 17's "max" length sits in the distribution. The paper does not say how
+    many responses its CDF holds; 0.9999 assumes about ten thousand. It matters for 72B,
+    whose max (12.3k) is far beyond its p99 (2.8k): it sets the decode tail of a batch."""
     prompt_median: float = 200.0
     """Median prompt tokens (DAPO-Math prompts with the template; max 2K per §8.1)."""
     prompt_sigma: float = 0.4
@@ -84,7 +91,7 @@ class Calibration:
     env_max_s: float = float("inf")
 
     # --- laminar ----------------------------------------------------------------------------
-    inflight_batches: float = 0.75
+    inflight_batches: float = 0.5
     """Laminar: trajectories a rollout leases per batch = this x global batch / replicas
     (capped at 1024, §8.1), so about this many global batches are in flight. The paper's
     staleness (mostly 1-2, max 4) implies about one."""
@@ -94,7 +101,10 @@ class Calibration:
     """Algorithm 1's B = batch where a step costs this x a batch-1 step (§5.2 gives no B)."""
 
     # --- partial rollout (AReaL) --------------------------------------------------------
-    partial_staleness_bound: float = float("inf")  # η; ∞ in the paper's throughput runs
+    max_outstanding_batches: float = float("inf")
+    """laminar and partial: rollouts lease new groups only while fewer than this many global
+    batches are leased or waiting untrained (the runtime's rollout.max_outstanding_batches;
+    AReaL's staleness bound η + 1). ∞ as in the paper's throughput runs (η = ∞)."""
     partial_inflight_batches: float = 0.25
     """AReaL: trajectories generating at once across all rollouts (max_concurrent_rollouts)
     = this x global batch, split evenly over replicas (each at most 1024)."""

@@ -106,7 +106,9 @@ def paper_setup(mode: str, model: str, gpus: int, cal: Calibration | None = None
         mode=mode, model=model, gpus=total, trainer_gpus=trainer, rollout_gpus=rollout, tp=tp,
         cal=cal,
         curve=costs.decode_curve(m, tp, cal.step_overhead_ms / 1e3, cal.seq_overhead_ms / 1e3),
-        kv_capacity=costs.kv_capacity_tokens(m, tp, cal.gpu_mem_util, cal.activation_reserve_gb),
+        kv_capacity=costs.kv_capacity_tokens(
+            m, tp, cal.colocated_mem_util if mode == "sync" else cal.gpu_mem_util,
+            cal.activation_reserve_gb),
         prefill_tok_s=prefill_flops,
         prefill_sq_s=2.0 * m.layers * m.hidden / (tp * costs.GPU_BF16_FLOPS * cal.prefill_mfu),
         train_fn=lambda tok, sq, steps, g: costs.train_s(m, g, tok, sq, steps, mfu),
@@ -118,7 +120,8 @@ def paper_setup(mode: str, model: str, gpus: int, cal: Calibration | None = None
                                 if mode in ("sync", "one_step", "stream") else 0.0),
         update_overhead_s=cal.trainer_update_s_per_gb * m.weight_bytes / 1e9,
         lengths=LengthDistribution.from_points(paper.FIG17_QUANTILES[model],
-                                               max_len=paper.BATCH["max_response"]),
+                                               max_len=paper.BATCH["max_response"],
+                                               q_max=cal.length_max_quantile),
         minibatches=paper.BATCH["minibatches_sync" if mode == "sync" else "minibatches_async"],
         seed=seed)
 
@@ -191,6 +194,7 @@ class SimResult:
     tp: int
     replicas: int
     throughput: float  # tokens/s, the paper's metric
+    gen_throughput: float  # response tokens decoded per second over the whole run
     iteration_s: float  # mean time between measured updates
     trainer_busy_frac: float
     rollout_busy_frac: float
@@ -222,6 +226,7 @@ def finish_result(setup: Setup, ledger: Ledger, replicas: list[Replica], buffere
         mode=setup.mode, model=setup.model, gpus=setup.gpus, trainer_gpus=setup.trainer_gpus,
         rollout_gpus=setup.rollout_gpus, tp=setup.tp, replicas=setup.n_replicas,
         throughput=ledger.throughput(warmup), iteration_s=span / measured,
+        gen_throughput=(generated + progress) / max(end_s, 1e-9),
         trainer_busy_frac=min(1.0, ledger.trainer_busy_s / max(end_s, 1e-9)),
         rollout_busy_frac=min(1.0, busy / max(end_s * len(replicas), 1e-9)),
         staleness=dict(sorted(ledger.staleness.items())),

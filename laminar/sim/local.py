@@ -17,7 +17,9 @@ curve; defaults mirror laminar's default config on a CPU box):
     }}
 
 `local_setup` turns it into a `Setup`; `measured_throughput` reads the measured mode
-throughputs to compare the predicted ratios with.
+throughputs to compare the predicted ratios with. `python -m laminar.sim.local --out FILE`
+measures this machine (engine benchmark + a short sync training with `laminar bench modes`'
+workload) and writes such a file (`measure`, `block_from_run`).
 """
 
 from __future__ import annotations
@@ -104,3 +106,80 @@ def measured_throughput(local: dict[str, Any]) -> dict[str, float] | None:
         return None
     out = _read_json(local["measured"], "throughput_by_mode")
     return {m: float(v) for m, v in out.items() if m in paper.MODES}
+
+
+# --- measuring this machine ----------------------------------------------------------------
+
+def block_from_run(run_dir: Path, engine_json: Path, cfg: Any, warmup: int = 2) -> dict[str, Any]:
+    """A `local` block from a finished run (metrics.jsonl, trajectories.jsonl), the engine
+    benchmark's JSON, and the run's config (worker counts, batch, KV, environment latency)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    trajs = [json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines() if x]
+    tail = rows[warmup:] or rows
+    lens = np.array([t["response_len"] for t in trajs], dtype=float)
+    n_trajs = len(trajs)
+    prompt_tokens = sum(r["batch_tokens"] - r["response_tokens"] for r in rows)
+    ro, tr = cfg.rollout, cfg.trainer
+    return {
+        "engine_bench": str(engine_json),
+        "kv_capacity_tokens": ro.engine.kv_capacity_tokens,
+        "max_running": ro.engine.max_batch_size,
+        "trainer_s_per_token": sum(r["train_s"] for r in tail) / sum(r["batch_tokens"] for r in tail),
+        "trainer_step_overhead_s": 0.0,
+        "lengths": {str(q): float(np.quantile(lens, q)) for q in (0.5, 0.9, 0.99)}
+        | {"1.0": float(lens.max())},
+        "prompt_median": prompt_tokens / n_trajs, "prompt_sigma": 0.0,
+        "rollout_workers": ro.num_workers, "prompts": tr.prompts_per_step,
+        "samples": ro.group_size, "minibatches": tr.mini_batches,
+        "env_median_s": ro.env_latency.median_s if ro.env_latency.enabled else 0.0,
+        "env_sigma": ro.env_latency.sigma, "env_max_s": ro.env_latency.max_s,
+    }
+
+
+def measure(out: Path, steps: int, measured: str | None) -> dict[str, Any]:
+    """Run `laminar bench engine --quick` and a short sync training with `laminar bench
+    modes`' workload, and write a calibration file for `laminar simulate --calibration`."""
+    import os
+
+    import ray
+
+    from laminar.bench import engine as bench_engine
+    from laminar.bench.modes import bench_config
+    from laminar.modes import run_training
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    engine_json = out.with_name(out.stem + "-engine.json")
+    bench_engine.main(quick=True, out=str(engine_json))
+    run_dir = out.with_name(out.stem + "-run")
+    cfg = bench_config("sync", steps, run_dir)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        run_training(cfg)
+    finally:
+        ray.shutdown()
+    block = block_from_run(cfg.resolved_run_dir, engine_json, cfg)
+    if measured:
+        block["measured"] = measured
+    ro = cfg.rollout
+    share = ro.batch_groups * ro.num_workers / cfg.trainer.prompts_per_step
+    data = {"local": block, "inflight_batches": share, "partial_inflight_batches": share,
+            "max_outstanding_batches": float(ro.max_outstanding_batches)}
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {out}")
+    return data
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Measure this machine for the simulator.")
+    ap.add_argument("--out", required=True, help="calibration JSON to write")
+    ap.add_argument("--steps", type=int, default=6, help="sync training steps to time")
+    ap.add_argument("--measured", help="`laminar bench modes` JSON to compare against")
+    args = ap.parse_args()
+    measure(Path(args.out), args.steps, args.measured)
+
+
+if __name__ == "__main__":
+    main()

@@ -55,7 +55,6 @@ class Replica:
         self.n_running = 0
         self._heap: list[tuple[int, int, Traj]] = []  # (finish step, serial, traj), lazy
         self._tools: list[tuple[float, int, Traj]] = []  # (result back at, serial, traj)
-        self._returned: list[Traj] = []  # completed by a call after their last token
         self._serial = 0
         self.generated = 0  # decoded tokens, counted when a trajectory leaves the batch
         self.busy_s = 0.0  # time spent prefilling or decoding
@@ -124,9 +123,6 @@ class Replica:
             self._plan()
         elif t > self.t:
             self.t = t
-        if self._returned:
-            finished += self._returned
-            self._returned = []
         return finished
 
     def abort_all(self, t: float) -> tuple[list[Traj], list[Traj]]:
@@ -178,7 +174,7 @@ class Replica:
             self.generated += stop - tr.admit_done
             tr.done = stop
             self.n_running -= 1
-            if tr.has_call_at_stop:  # a tool call: out of the batch until its result is back
+            if stop < tr.target:  # a tool call: out of the batch until its result is back
                 tr.state = IN_TOOL
                 tr.t_tool_return = now + tr.tool_s[tr.tool_i]
                 tr.tool_i += 1
@@ -207,10 +203,6 @@ class Replica:
         q = self.quantum
         while self._tools and self._tools[0][0] <= self.t:  # tool results are back: requeue
             tr = heapq.heappop(self._tools)[2]
-            if tr.done >= tr.target:  # the call after the last token: it is complete now
-                tr.state = FINISHED
-                self._returned.append(tr)
-                continue
             tr.state = WAITING
             waiting.append(tr)
         while waiting and self.n_running < self.max_running:

@@ -30,7 +30,7 @@ _console = Console(width=150)
 TOL, HEADLINE_TOL = 0.25, 0.15
 
 
-def _k(x: float) -> str:
+def fmt_k(x: float) -> str:
     return f"{x / 1e3:.1f}k"
 
 
@@ -45,7 +45,7 @@ def ratio_errors(point: dict[str, Any]) -> dict[str, tuple[float, float, float]]
     return out
 
 
-def _tolerance(model: str, gpus: int, b: str) -> float:
+def tolerance(model: str, gpus: int, b: str) -> float:
     return HEADLINE_TOL if (model, gpus, b) == paper.HEADLINE[:3] else TOL
 
 
@@ -60,7 +60,7 @@ def point_table(point: dict[str, Any]) -> None:
     for mode, tp in point["throughput_by_mode"].items():
         d = point["details"][mode]
         r = errs.get(mode)
-        t.add_row(mode, f"{d['trainer_gpus']}/{d['rollout_gpus']}", _k(tp), _k(ref[mode]),
+        t.add_row(mode, f"{d['trainer_gpus']}/{d['rollout_gpus']}", fmt_k(tp), fmt_k(ref[mode]),
                   f"{d['iteration_s']:.0f}", _staleness(d["staleness"]),
                   f"{r[0]:.2f}" if r else "", f"{r[1]:.2f}" if r else "")
     _console.print(t)
@@ -79,7 +79,7 @@ def grid_table(points: list[dict[str, Any]]) -> None:
         errs = ratio_errors(p)
         lam = p["throughput_by_mode"].get("laminar")
         t.add_row(p["model"], str(p["gpus"]),
-                  f"{_k(lam)} ({_k(paper.FIG11[p['model']][p['gpus']]['laminar'])})" if lam else "",
+                  f"{fmt_k(lam)} ({fmt_k(paper.FIG11[p['model']][p['gpus']]['laminar'])})" if lam else "",
                   *[f"{errs[b][0]:.2f} ({errs[b][1]:.2f})" if b in errs else "" for b in paper.BASELINES])
     _console.print(t)
 
@@ -157,7 +157,7 @@ def fig9_check(cal: Calibration, seeds: int = 8) -> dict[str, float]:
             full = t if full is None and r.kv >= 0.97 * r.kv_capacity else full
             qlast = t if r.waiting else qlast
             at405 = left if at405 is None and t >= 405 else at405
-        for k, v in zip(keys, (full or math.nan, qlast, at405 or 0, t)):
+        for k, v in zip(keys, (full if full is not None else math.inf, qlast, at405 or 0, t)):
             acc[k] += v / seeds
     return acc
 
@@ -168,14 +168,12 @@ def fig18_rows() -> list[tuple[str, int, float, float]]:
             for machines, measured in zip(paper.FIG18_MACHINES, paper.FIG18[name])]
 
 
-def repack_ablation(cal: Calibration, warmup: int, measure: int) -> tuple[float, float, int]:
-    """Laminar 32B @ 128 GPUs (the paper's Table 1 setting) with and without repack:
-    (throughput with, without, repacks)."""
-    setup = paper_setup("laminar", "32b", 128, cal)
-    on = laminar_schedule.run(setup, warmup, measure, repack=True)
-    off = laminar_schedule.run(paper_setup("laminar", "32b", 128, cal), warmup, measure,
-                               repack=False)
-    return on.throughput, off.throughput, on.repacks
+def repack_ablation(cal: Calibration, warmup: int, measure: int) -> dict[str, float]:
+    """Laminar 32B @ 128 GPUs (the paper's Table 1 setting) with and without repack."""
+    on = laminar_schedule.run(paper_setup("laminar", "32b", 128, cal), warmup, measure, True)
+    off = laminar_schedule.run(paper_setup("laminar", "32b", 128, cal), warmup, measure, False)
+    return dict(train_on=on.throughput, train_off=off.throughput, gen_on=on.gen_throughput,
+                gen_off=off.gen_throughput, repacks=on.repacks, moved=on.moved_trajs)
 
 
 # --- the markdown report ---------------------------------------------------------------------

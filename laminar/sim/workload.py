@@ -19,7 +19,7 @@ from statistics import NormalDist
 import numpy as np
 
 _Z = NormalDist().inv_cdf
-_Q_MAX = 0.9999  # the quantile we place a curve's "max" at
+_Q_MAX = 0.9999  # default quantile of a curve's "max" (about 10k samples behind it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +30,9 @@ class LengthDistribution:
 
     @classmethod
     def from_points(cls, points: dict[float, float], min_len: int = 16,
-                    max_len: int = 16384) -> LengthDistribution:
-        pts = sorted((min(q, _Q_MAX), v) for q, v in points.items())
+                    max_len: int = 16384, q_max: float = _Q_MAX) -> LengthDistribution:
+        """q_max: the quantile a curve's "max" (probability 1.0) is placed at."""
+        pts = sorted((min(q, q_max), v) for q, v in points.items())
         if len(pts) < 2 or any(b[1] < a[1] for a, b in zip(pts, pts[1:])):
             raise ValueError(f"length quantiles {points} must be >= 2 increasing points")
         return cls(tuple(pts), min_len, max_len)
@@ -70,6 +71,7 @@ class Traj:
     tool_s: tuple[float, ...] = ()  # each call's latency in seconds
     tool_i: int = 0  # calls made so far
     t_tool_return: float = -1.0  # while in a tool call: when the result comes back
+    env_s: float = 0.0  # environment latency after the last token (off the engine)
 
     @property
     def tokens(self) -> int:
@@ -80,9 +82,6 @@ class Traj:
         """Response length at which it next leaves the decode batch (tool call or end)."""
         return self.tool_at[self.tool_i] if self.tool_i < len(self.tool_at) else self.target
 
-    @property
-    def has_call_at_stop(self) -> bool:
-        return self.tool_i < len(self.tool_at)
 
 
 @dataclass(slots=True)
@@ -95,7 +94,7 @@ class Workload:
     max_prompt: int = 2048
     tool_calls: tuple[int, float, float] | None = None  # (max calls, median s, log sigma)
     env_latency: tuple[float, float, float] | None = None  # after the last token: (median
-    # s, log sigma, max s) — a reward sandbox; the trajectory completes when it returns
+    # s, log sigma, max s) — a reward sandbox; the trajectory reaches the buffer after it
     seed: int = 0
     _rng: np.random.Generator = field(init=False, repr=False)
     _next_group: int = field(default=0, init=False)
@@ -125,8 +124,7 @@ class Workload:
                     self._add_tool_calls(tr)
                 if self.env_latency is not None:
                     median, sigma, cap = self.env_latency
-                    lat = min(cap, median * float(np.exp(sigma * self._rng.standard_normal())))
-                    tr.tool_at, tr.tool_s = tr.tool_at + (tr.target,), tr.tool_s + (lat,)
+                    tr.env_s = min(cap, median * float(np.exp(sigma * self._rng.standard_normal())))
                 members.append(tr)
                 self._next_traj += 1
             out.append(members)

@@ -33,7 +33,7 @@ def generate(replicas: list[Replica], groups: list[list[Traj]], t0: float,
         r.add(t0, chunk)
         while (t := r.next_time()) is not None:
             for tr in r.advance_to(t):
-                tr.t_finished = t
+                tr.t_finished = t + tr.env_s  # the reward environment answers after env_s
                 out.append(tr)
     return out
 
@@ -69,10 +69,31 @@ def minibatches_by_completion(batch: list[Traj], n: int) -> list[tuple[float, li
 
 
 class GroupBuffer:
-    def __init__(self, samples: int) -> None:
+    """Finished trajectories by group; `deliver` after the environment's latency."""
+
+    def __init__(self, samples: int, clock: Clock | None = None) -> None:
         self.samples = samples
+        self.clock = clock
         self._partial: dict[int, list[Traj]] = {}
         self.complete: deque[list[Traj]] = deque()
+        self.in_env: dict[int, Traj] = {}  # finished decoding, waiting on the environment
+
+    def deliver(self, trajs: list[Traj], t: float, then: Callable[[float], None]) -> None:
+        """Put trajs at t, or after their environment latency; `then(t)` after each put."""
+        for tr in trajs:
+            if tr.env_s > 0 and self.clock is not None:
+                self.in_env[tr.traj_id] = tr
+                self.clock.at(t + tr.env_s, self._env_done, tr, then)
+            else:
+                tr.t_finished = t
+                self.put(tr)
+        then(t)
+
+    def _env_done(self, tr: Traj, then: Callable[[float], None]) -> None:
+        del self.in_env[tr.traj_id]
+        tr.t_finished = self.clock.now  # type: ignore[union-attr]
+        self.put(tr)
+        then(self.clock.now)  # type: ignore[union-attr]
 
     def put(self, tr: Traj) -> None:
         members = self._partial.setdefault(tr.group, [])
@@ -88,7 +109,7 @@ class GroupBuffer:
     def finished(self) -> list[Traj]:
         """Every finished trajectory not yet taken (complete groups and partial ones)."""
         return ([tr for g in self.complete for tr in g]
-                + [tr for g in self._partial.values() for tr in g])
+                + [tr for g in self._partial.values() for tr in g] + list(self.in_env.values()))
 
 
 class Waker:

@@ -10,7 +10,8 @@
 
 This is the policy of the runtime's rollout worker (`laminar/rollout/worker.py, run_free`).
 A rollout's lease cap is `inflight_batches * global batch / replicas` trajectories (whole
-groups, at most 1024; the runtime's `rollout.batch_groups`).
+groups, at most 1024; the runtime's `rollout.batch_groups`), and all rollouts together lease
+only while fewer than `max_outstanding_batches` global batches are leased or untrained.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from laminar.sim.workload import Traj
 def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResult:
     clock, ledger = Clock(), Ledger()
     replicas, work = setup.make_replicas(), setup.make_workload()
-    buffer = GroupBuffer(setup.samples)
+    buffer = GroupBuffer(setup.samples, clock)
     cal = setup.cal
     cap = setup.samples * max(1, min(setup.max_running // setup.samples, round(
         cal.inflight_batches * setup.prompts / len(replicas))))
     bound = costs.roofline_batch(setup.curve, 4096, cal.roofline_factor)
-    state = {"version": 0, "at_relays": 0, "training": False, "trainer_free": 0.0}
+    outstanding = cal.max_outstanding_batches * setup.prompts  # in groups
+    state = {"version": 0, "at_relays": 0, "training": False, "trainer_free": 0.0, "leased": 0}
     kv_prev = {r.rid: 0 for r in replicas}
     pulling: set[int] = set()
 
@@ -50,7 +52,10 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
                 waker.wake(r)
             return
         free = (cap - r.num_reqs) // setup.samples
+        # Admission control: at most `outstanding` groups leased or untrained.
+        free = int(min(free, outstanding - (state["leased"] - state["version"] * setup.prompts)))
         if free > 0:
+            state["leased"] += free
             if r.is_idle:
                 kv_prev[r.rid] = 0  # a fresh fill ramps up; only a fall from here is ramp-down
             trajs = [tr for g in work.groups(free, t) for tr in g]
@@ -65,10 +70,7 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
         top_up(r, clock.now)
 
     def collect(finished: list[Traj], t: float) -> None:
-        for tr in finished:
-            tr.t_finished = t
-            buffer.put(tr)
-        maybe_train(t)
+        buffer.deliver(finished, t, maybe_train)  # after the environment's latency, if any
 
     def on_replica(r: Replica, t: float) -> None:
         collect(r.advance_to(t), t)
@@ -92,6 +94,9 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
         state["training"] = False
         state["trainer_free"] = t + setup.push_s  # stall while handing off to the master
         clock.at(t + setup.push_s + setup.broadcast_s, published, state["version"])
+        if outstanding != float("inf"):
+            for r in replicas:  # the trainer caught up by a batch: admission may reopen
+                top_up(r, t)
         maybe_train(t)
 
     def published(version: int) -> None:

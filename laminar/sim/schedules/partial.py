@@ -5,12 +5,11 @@ resumes them with a re-prefill of their context under the new version (mixed ver
     rollouts: keep `partial_inflight_batches * global batch / replicas` trajectories each
               (max_concurrent_rollouts, at most 1024 per replica); lease groups as they free
     trainer:  512 complete groups (FIFO) -> update -> [interrupt all, sync, re-prefill all]
-    staleness bound eta: lease a group only while it would be consumed <= eta versions late
+    admission: lease only while < max_outstanding_batches global batches are leased or
+               untrained (AReaL's eta + 1; unbounded by default, as in the paper)
 """
 
 from __future__ import annotations
-
-import math
 
 from laminar.sim.core import Clock, Ledger, Setup, SimResult, finish_result
 from laminar.sim.replica import Replica
@@ -21,8 +20,8 @@ from laminar.sim.workload import Traj
 def run(setup: Setup, warmup: int, measure: int) -> SimResult:
     clock, ledger = Clock(), Ledger()
     replicas, work = setup.make_replicas(), setup.make_workload()
-    buffer = GroupBuffer(setup.samples)
-    eta = setup.cal.partial_staleness_bound
+    buffer = GroupBuffer(setup.samples, clock)
+    outstanding = setup.cal.max_outstanding_batches * setup.prompts  # in groups
     state = {"version": 0, "training": False, "leased": 0}
     paused: dict[int, list[Traj]] = {}  # replica id -> trajectories held during a swap
     cap = min(setup.max_running, max(setup.samples, round(
@@ -32,8 +31,8 @@ def run(setup: Setup, warmup: int, measure: int) -> SimResult:
         """Lease groups while the replica has room (and the staleness bound allows)."""
         new: list[Traj] = []
         while r.num_reqs + len(new) + setup.samples <= cap:
-            if not math.isinf(eta) and state["leased"] >= (state["version"] + 1 + eta) * setup.prompts:
-                break
+            if state["leased"] - state["version"] * setup.prompts >= outstanding:
+                break  # admission control: the trainer is too far behind
             for tr in work.groups(1, t)[0]:
                 tr.version, tr.versions = r.version, 1
                 new.append(tr)
@@ -43,10 +42,7 @@ def run(setup: Setup, warmup: int, measure: int) -> SimResult:
         waker.wake(r)
 
     def collect(finished: list[Traj], t: float) -> None:
-        for tr in finished:
-            tr.t_finished = t
-            buffer.put(tr)
-        maybe_train(t)
+        buffer.deliver(finished, t, maybe_train)  # after the environment's latency, if any
 
     def on_replica(r: Replica, t: float) -> None:
         collect(r.advance_to(t), t)
