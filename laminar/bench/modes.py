@@ -75,8 +75,9 @@ def reward_curve(rows: list[dict[str, Any]], window: int = 10) -> list[tuple[flo
             for i, r in enumerate(rows)]
 
 
-def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
-    return next((t for t, r in curve if r >= target), None)
+def time_to(curve: list[tuple[float, float]], target: float, window: int = 10) -> float | None:
+    """First time the moving average (over a full window) reaches `target`."""
+    return next((t for t, r in curve[window - 1:] if r >= target), None)
 
 
 def reward_at(curve: list[tuple[float, float]], seconds: float) -> float:
