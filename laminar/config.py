@@ -95,11 +95,12 @@ class RolloutConfig(Section):
     num_workers: int = Field(1, ge=1, description="Rollout workers (each owns one engine).")
     batch_groups: int = Field(8, ge=1, description="Prompt groups one rollout keeps in flight "
                               "(laminar/partial modes): it tops up to this many as groups finish.")
-    max_outstanding_batches: int = Field(
-        2, ge=1, description="Admission control of the free-running modes (laminar, partial): "
+    max_outstanding_batches: float = Field(
+        1.5, ge=1.0, description="Admission control of the free-running modes (laminar, partial): "
         "rollouts lease new prompts only while fewer than this many global batches of groups are "
         "leased or waiting in the buffer untrained. Paces rollouts that outrun the trainer, so "
-        "staleness stays low without discarding anything (partial mode: AReaL's eta + 1).")
+        "staleness stays low without discarding anything (partial mode: AReaL's eta + 1). "
+        "1 would leave no room to work ahead (a synchronous pipeline).")
     stream_every: int = Field(16, ge=1, description="Stream each trajectory's new tokens to the "
                               "partial response pool every this many tokens.")
     threads: int = Field(1, ge=1, description="torch threads per rollout worker.")

@@ -18,7 +18,7 @@ from laminar.runtime import Runtime
 
 def run(cfg: Config) -> dict[str, Any]:
     model_dir, version = start_weights(cfg)
-    bound = cfg.rollout.max_outstanding_batches * cfg.trainer.prompts_per_step
+    bound = round(cfg.rollout.max_outstanding_batches * cfg.trainer.prompts_per_step)
     with Runtime(cfg, model_dir, version, max_outstanding=bound) as rt:
         loops = [w.run_free.remote("laminar") for w in rt.workers.values()]
         loops.append(rt.manager.run.remote(repack=cfg.manager.repack))
