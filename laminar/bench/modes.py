@@ -204,14 +204,15 @@ def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
                       f"{ttt:.1f}s" if ttt is not None else "not reached",
                       f"{report['reward_at_sync_end_by_mode'][m]:.3f}",
                       " ".join(f"{k}:{v}" for k, v in report["staleness_hist_by_mode"][m].items()))
-    Console().print(table)
+    console = Console(width=150)
+    console.print(table)
     detail = Table(title="where the time goes (means after warm-up)")
     for col in ("mode", "step s", "train s", "trainer idle", "rollout idle", "gen tok/s",
                 "push stall s", "pull s", "KV util", "repacks"):
         detail.add_column(col)
     for m, b in report["breakdown_by_mode"].items():
         detail.add_row(m, *("-" if b[k] is None else f"{b[k]:.3g}" for k in (*BREAKDOWN, "repacks")))
-    Console().print(detail)
+    console.print(detail)
     if out:
         Path(out).write_text(json.dumps(report, indent=2))
         print(f"wrote {out}")
