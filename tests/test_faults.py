@@ -10,7 +10,8 @@ from collections import Counter
 import ray
 
 from laminar.config import load_config
-from laminar.modes.driver import Follower, finish, start_weights
+from laminar.modes.common import start_weights
+from laminar.modes.driver import Follower, finish
 from laminar.runtime import Runtime
 
 TINY = ["sft.enabled=false", "task.reverse.max_len=12", "rollout.max_new_tokens=13",

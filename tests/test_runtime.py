@@ -13,7 +13,7 @@ import ray
 
 from laminar.config import load_config
 from laminar.modes import MODES, run_training
-from laminar.modes.driver import start_weights
+from laminar.modes.common import start_weights
 from laminar.runtime import Runtime, place
 
 TINY = ["sft.enabled=false", "task.reverse.max_len=8", "rollout.max_new_tokens=9",

@@ -1,59 +1,40 @@
-"""Pieces every schedule shares: the starting model, the engine, and turning finished
-generation requests into scored trajectories."""
+"""What the schedules share without Ray: the starting weights, and (for the one-process loop)
+turning finished generation requests into scored trajectories."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from laminar.config import Config, ConfigError
-from laminar.models import load_policy, load_pretrained
 from laminar.models.tokenizer import decode_response
 from laminar.tasks import Task
-from laminar.types import GenerationRequest, PromptGroup, SamplingParams, Trajectory
+from laminar.types import GenerationRequest, PromptGroup, Trajectory
 
 
-def starting_model(cfg: Config, log=print) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Resume checkpoint > model.path > cached SFT warm start > randomly initialised preset."""
+def start_weights(cfg: Config) -> tuple[str, int]:
+    """(model directory every component loads, its version): a resumed checkpoint, else
+    `model.path`, else the cached SFT warm start, else a freshly initialised preset."""
     if cfg.trainer.resume:
-        model_dir = Path(cfg.trainer.resume) / "model"
-        if not model_dir.is_dir():
-            raise ConfigError(f"trainer.resume='{cfg.trainer.resume}' is not a laminar checkpoint "
-                              "(no model/ folder inside)")
-        return load_pretrained(model_dir, cfg.model.attn_implementation)
+        ckpt = Path(cfg.trainer.resume)
+        if not (ckpt / "trainer_state.json").is_file() or not (ckpt / "model").is_dir():
+            raise ConfigError(f"trainer.resume='{ckpt}' is not a laminar checkpoint (expected "
+                              "model/ and trainer_state.json inside, e.g. runs/NAME/checkpoints/step_000010)")
+        return str(ckpt / "model"), int(json.loads((ckpt / "trainer_state.json").read_text())["version"])
     if cfg.model.path:
-        return load_policy(cfg.model)
+        return cfg.model.path, 0
+    from laminar.models import load_policy, save_pretrained
+
     if cfg.sft.enabled:
         from laminar.trainer.sft import run_sft
 
-        return load_pretrained(run_sft(cfg, log=log), cfg.model.attn_implementation)
-    return load_policy(cfg.model)
-
-
-def sampling_params(cfg: Config) -> SamplingParams:
-    r = cfg.rollout
-    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_new_tokens=r.max_new_tokens)
-
-
-def make_engine(cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, version: int = 0):
-    e = cfg.rollout.engine
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    if e.backend == "hf":
-        from laminar.engine.hf import HFEngine
-
-        return HFEngine(model, eos, pad, max_batch_size=e.max_batch_size, version=version)
-    from laminar.engine import Engine
-
-    return Engine(model, eos, pad, max_batch_size=e.max_batch_size,
-                  kv_capacity_tokens=e.kv_capacity_tokens, version=version, seed=cfg.trainer.seed)
-
-
-def group_requests(group: PromptGroup, params: SamplingParams) -> list[GenerationRequest]:
-    return [GenerationRequest(f"{group.group_id}/{i}", list(group.prompt_ids), params)
-            for i in range(group.num_samples)]
+        return str(run_sft(cfg)), 0
+    path = cfg.resolved_run_dir / "initial_model"
+    save_pretrained(*load_policy(cfg.model), path)
+    return str(path), 0
 
 
 def to_trajectory(group: PromptGroup, req: GenerationRequest, task: Task,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -15,24 +14,6 @@ import ray
 from laminar.config import Config
 from laminar.metrics import MetricsLogger, read_metrics, reward_trend
 from laminar.runtime import Runtime
-
-
-def start_weights(cfg: Config) -> tuple[str, int]:
-    """(model directory every actor loads, its version)."""
-    if cfg.trainer.resume:
-        state = json.loads((Path(cfg.trainer.resume) / "trainer_state.json").read_text())
-        return str(Path(cfg.trainer.resume) / "model"), int(state["version"])
-    if cfg.model.path:
-        return cfg.model.path, 0
-    from laminar.models import load_policy, save_pretrained
-
-    if cfg.sft.enabled:
-        from laminar.trainer.sft import run_sft
-
-        return str(run_sft(cfg)), 0
-    path = cfg.resolved_run_dir / "initial_model"
-    save_pretrained(*load_policy(cfg.model), path)
-    return str(path), 0
 
 
 class Follower:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from laminar.config import Config
-from laminar.modes.driver import Follower, finish, start_weights
+from laminar.modes.common import start_weights
+from laminar.modes.driver import Follower, finish
 from laminar.runtime import Runtime
 
 

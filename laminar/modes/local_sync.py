@@ -20,8 +20,10 @@ import torch
 from laminar.config import Config
 from laminar.metrics import MetricsLogger, read_metrics, reward_trend, summarize
 from laminar.models.tokenizer import encode_prompt
-from laminar.modes.common import (Stopwatch, group_requests, make_engine, sampling_params,
-                                  starting_model, to_trajectory)
+from laminar.engine import build_engine
+from laminar.models import load_pretrained
+from laminar.modes.common import Stopwatch, start_weights, to_trajectory
+from laminar.rollout.requests import group_requests, sampling_params
 from laminar.pools.prompts import PromptSampler
 from laminar.tasks import build_task
 from laminar.tasks.evaluate import evaluate
@@ -31,7 +33,7 @@ from laminar.trainer.trainer import Trainer
 def run(cfg: Config) -> dict[str, float]:
     torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.trainer.seed)
-    model, tokenizer = starting_model(cfg)
+    model, tokenizer = load_pretrained(start_weights(cfg)[0], cfg.model.attn_implementation)
     task = build_task(cfg.task)
     if task.load_report:
         print(task.load_report.summary())
@@ -39,9 +41,11 @@ def run(cfg: Config) -> dict[str, float]:
                             seed=cfg.task.seed)
     trainer = Trainer(model, cfg.trainer, tokenizer.pad_token_id, cfg.rollout.temperature)
     if cfg.trainer.resume:
-        sampler.load_state_dict(trainer.load_checkpoint(cfg.trainer.resume)["sampler"])
+        extra = trainer.load_checkpoint(cfg.trainer.resume)  # from this loop or from the runtime
+        sampler.load_state_dict(extra["sampler"] if "sampler" in extra else extra["prompts"]["sampler"])
         print(f"resumed from {cfg.trainer.resume} at version {trainer.version}")
-    engine = make_engine(cfg, copy.deepcopy(model).eval(), tokenizer, version=trainer.version)
+    engine = build_engine(cfg.rollout.engine, copy.deepcopy(model).eval(), tokenizer.eos_token_id,
+                          tokenizer.pad_token_id, trainer.version, cfg.trainer.seed)
     run_dir = cfg.resolved_run_dir
     logger = MetricsLogger(run_dir, cfg.trainer.total_steps, fresh=not cfg.trainer.resume)
     params = sampling_params(cfg)

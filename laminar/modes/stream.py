@@ -10,7 +10,8 @@ from typing import Any
 
 from laminar.config import Config
 from laminar.modes import batches
-from laminar.modes.driver import Follower, finish, start_weights
+from laminar.modes.common import start_weights
+from laminar.modes.driver import Follower, finish
 from laminar.runtime import Runtime
 
 

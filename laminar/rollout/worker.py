@@ -33,10 +33,11 @@ import ray
 import torch
 
 from laminar.config import Config
+from laminar.engine import build_engine
 from laminar.models import load_pretrained
-from laminar.modes.common import group_requests, make_engine, sampling_params
 from laminar.models.tokenizer import decode_response
 from laminar.pools.partials import TokenUpdate
+from laminar.rollout.requests import group_requests, sampling_params
 from laminar.tasks import Task
 from laminar.tasks.rewards import resolve_reward
 from laminar.types import GenerationRequest, PromptGroup, Trajectory
@@ -69,7 +70,8 @@ class RolloutWorker:
         self.id = worker_id
         self.cfg = cfg
         model, self.tokenizer = load_pretrained(model_dir, cfg.model.attn_implementation)
-        self.engine = make_engine(cfg, model.eval(), self.tokenizer, version)
+        self.engine = build_engine(cfg.rollout.engine, model.eval(), self.tokenizer.eos_token_id,
+                                   self.tokenizer.pad_token_id, version, cfg.trainer.seed)
         self.task = Task(cfg.task.name, [], [], resolve_reward(cfg.task.reward))
         self.puller = Puller(RelayInfo.from_dict(relay), cfg.relay) if relay else None
         if self.puller:

@@ -45,7 +45,9 @@ class TrainerWorker:
         self.prompts, self.buffer = pools["prompts"], pools["buffer"]
         if cfg.trainer.resume:
             extra = self.trainer.load_checkpoint(cfg.trainer.resume)
-            ray.get(self.prompts.load_state_dict.remote(extra["prompts"]))
+            # a checkpoint of the one-process loop holds only the sampler's position
+            state = extra.get("prompts") or {"sampler": extra["sampler"], "pending": []}
+            ray.get(self.prompts.load_state_dict.remote(state))
         self.pusher = Pusher(ChainPlan.from_dict(plan), secret, cfg.relay)
         self.history: list[dict[str, Any]] = []
         with warnings.catch_warnings():  # Ray's own property trips its deprecation warning
