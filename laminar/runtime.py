@@ -94,11 +94,14 @@ class Runtime:
         task = build_task(cfg.task)
         sampler = PromptSampler(task.train, partial(encode_prompt, tokenizer), cfg.rollout.group_size,
                                 seed=cfg.task.seed)
+        # named, so that a restarted trainer finds them by name (an actor restarted by Ray must
+        # not hold other actors' handles in its constructor arguments)
+        self.pool_names = {k: f"laminar-{self.job}-{k}" for k in ("prompts", "partials", "buffer")}
         self.pools = {
-            "prompts": ray.remote(PromptPool).options(**light).remote(
+            "prompts": ray.remote(PromptPool).options(**light, name=self.pool_names["prompts"]).remote(
                 sampler, 2 * cfg.cluster.wait_timeout_s, self.max_outstanding),
-            "partials": ray.remote(PartialPool).options(**light).remote(),
-            "buffer": ray.remote(ExperienceBuffer).options(**light).remote(
+            "partials": ray.remote(PartialPool).options(**light, name=self.pool_names["partials"]).remote(),
+            "buffer": ray.remote(ExperienceBuffer).options(**light, name=self.pool_names["buffer"]).remote(
                 cfg.rollout.group_size, cfg.trainer.max_staleness),
         }
         nodes = self._cluster_nodes()
@@ -113,7 +116,7 @@ class Runtime:
                 wid, cfg, self.model_dir, infos[relay_id], self.pools, self.start_version)
         self.trainer = ray.remote(TrainerWorker).options(
             **threaded, max_restarts=cfg.trainer.max_restarts).remote(
-            cfg, self.model_dir, self.relays.plan.to_dict(), secret.encode(), self.pools)
+            cfg, self.model_dir, self.relays.plan.to_dict(), secret.encode(), self.pool_names)
         self.manager = ray.remote(RolloutManager).options(**threaded).remote(cfg, self.workers, self.pools)
         for handle in self.workers.values():
             handle.set_manager.remote(self.manager)

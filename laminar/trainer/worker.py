@@ -33,7 +33,8 @@ from laminar.types import Trajectory
 
 class TrainerWorker:
     def __init__(self, cfg: Config, model_dir: str, plan: dict[str, Any], secret: bytes,
-                 pools: dict[str, Any]) -> None:
+                 pools: dict[str, str]) -> None:
+        """`pools`: the names of the prompt pool and experience buffer actors."""
         from laminar.relay.client import Pusher
         from laminar.relay.plan import ChainPlan
 
@@ -42,7 +43,7 @@ class TrainerWorker:
         self.cfg = cfg
         model, self.tokenizer = load_pretrained(model_dir, cfg.model.attn_implementation)
         self.trainer = Trainer(model, cfg.trainer, self.tokenizer.pad_token_id, cfg.rollout.temperature)
-        self.prompts, self.buffer = pools["prompts"], pools["buffer"]
+        self.prompts, self.buffer = (ray.get_actor(pools["prompts"]), ray.get_actor(pools["buffer"]))
         if cfg.trainer.resume:
             extra = self.trainer.load_checkpoint(cfg.trainer.resume)
             # a checkpoint of the one-process loop holds only the sampler's position
