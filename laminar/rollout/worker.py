@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,8 +71,9 @@ class RolloutWorker:
         self.id = worker_id
         self.cfg = cfg
         model, self.tokenizer = load_pretrained(model_dir, cfg.model.attn_implementation)
+        seed = zlib.crc32(f"{cfg.trainer.seed}/{worker_id}".encode())  # stable, distinct per worker
         self.engine = build_engine(cfg.rollout.engine, model.eval(), self.tokenizer.eos_token_id,
-                                   self.tokenizer.pad_token_id, version, cfg.trainer.seed)
+                                   self.tokenizer.pad_token_id, version, seed)
         self.task = Task(cfg.task.name, [], [], resolve_reward(cfg.task.reward))
         self.puller = Puller(RelayInfo.from_dict(relay), cfg.relay) if relay else None
         if self.puller:
@@ -83,7 +85,7 @@ class RolloutWorker:
         self.token_versions: dict[str, list[int]] = {}
         self.streamed: dict[str, int] = {}
         self.env_wait: list[tuple[float, str, Trajectory]] = []  # heap by ready time
-        self.rng = np.random.default_rng(hash(worker_id) % 2**32)
+        self.rng = np.random.default_rng(seed)  # the emulated environment's latencies
         self.stop_event = threading.Event()
         self.hold = False  # set by export: do not start a new batch until the manager releases
         self.draining = False  # laminar: a newer version is waiting; finish in-flight work first
