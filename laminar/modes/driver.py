@@ -83,10 +83,12 @@ class Follower:
             ready, _ = ray.wait([ref], timeout=poll_s)
             try:
                 self.poll()
-                if ready:
-                    value = ray.get(ref)
-                    self.poll()
-                    return value
+            except ray.exceptions.RayActorError:
+                pass  # the trainer died or is restarting: the call in flight says which
+            if not ready:
+                continue
+            try:
+                value = ray.get(ref)
             except ray.exceptions.RayActorError:
                 if restarts == 0:
                     raise
@@ -94,6 +96,9 @@ class Follower:
                 print("laminar: the trainer died; it restarts from its newest checkpoint", flush=True)
                 self.seen = 0  # the restarted actor keeps a fresh history
                 ref = call()
+                continue
+            self.poll()
+            return value
 
 
 def finish(rt: Runtime, cfg: Config, running: list[Any]) -> dict[str, Any]:
