@@ -59,8 +59,15 @@ class Calibration:
     7B @ 32 point bounds it: AReaL with 16 trainer GPUs (54.9k tokens/s) stays below laminar
     with 24 (66.6k), which needs a lower per-GPU training rate than laminar's."""
 
+    megatron_mb_tokens: float = 16384.0
+    """AReaL's Megatron trainer: tokens per micro-batch (a packed micro-batch of one data-
+    parallel rank). With App. A.2's pipeline parallelism (PP 2 at 32B, 4 at 72B) it sets the
+    1F1B bubble: a rank with m micro-batches per optimizer step idles (PP - 1) / (m + PP - 1)
+    of the step, and strong scaling shrinks m (see costs.pipeline_stretch). 16K = one
+    maximum-length response per micro-batch; the paper gives no number."""
+
     # --- verl-based baselines (sync, one_step, stream) -------------------------------------
-    controller_us_per_token: float = 14.0
+    controller_us_per_token: float = 16.0
     """Serial work per prompt+response token at the global barrier of the verl-based
     baselines: the single controller gathers the batch, computes rule-based rewards and packs
     mini-batches before the trainer can use them (pipelined with the trainer per mini-batch).
@@ -72,7 +79,7 @@ class Calibration:
     group_corr: float = 0.5
     """Share of log-length variance common to the 16 samples of one prompt (hard prompts
     are long for every sample). The paper gives no number."""
-    length_max_quantile: float = 0.9999
+    length_max_quantile: float = 0.99999
     """Where Fig. 17's "max" length sits in the distribution. The paper does not say how
     many responses its CDF holds; 0.9999 assumes about ten thousand. It matters for 72B,
     whose max (12.3k) is far beyond its p99 (2.8k): it sets the decode tail of a batch."""

@@ -141,23 +141,45 @@ def roofline_batch(curve: DecodeCurve, ctx: int, factor: float) -> int:
     stops being memory-bound; §5.2 gives no number, Fig. 4 doubles between 64 and 128)."""
     one = curve.step_s(1, ctx)
     per_b = curve.per_seq_s + curve.per_kv_s * ctx
+    if per_b <= 0:  # a flat curve (a measured one can be): never compute-bound
+        return 1 << 30
     return max(1, int(1 + (factor - 1.0) * one / per_b))
 
 
 def train_s(m: ModelSpec, gpus: int, tokens: float, sum_sq: float, n_steps: int,
-            mfu: float) -> float:
+            mfu: float, tp_pp: tuple[int, int] = (1, 1),
+            mb_tokens: float = float("inf")) -> float:
     """Trainer time for trajectories with `tokens` prompt+response tokens in total and
     `sum_sq` = sum of squared lengths, in `n_steps` optimizer steps. FLOPs: forward+backward
     (6P) plus the old-log-prob forward (2P) per token, and causal attention. Each step also
     all-gathers and reduce-scatters the FSDP shards (3x the weights through every GPU's link:
     NVLink within a machine, the network across); prefetching overlaps that traffic with
-    compute, so a step costs whichever is longer."""
+    compute, so a step costs whichever is longer.
+
+    With pipeline parallelism (`tp_pp` = Megatron's (TP, PP), pp > 1) a step is a 1F1B
+    pipeline over the micro-batches of one data-parallel rank: its share of the step's
+    tokens, cut into micro-batches of at most `mb_tokens`. m micro-batches through p stages
+    take (m + p - 1) / m of the bubble-free time. Strong scaling adds data-parallel ranks,
+    so each rank has fewer micro-batches and the bubble grows."""
     flops = 8.0 * m.params * tokens + 8.0 * m.layers * m.hidden * sum_sq
     compute = flops / (gpus * GPU_BF16_FLOPS * mfu)
+    tp, pp = tp_pp
+    if pp > 1:
+        compute *= pipeline_stretch(tokens / max(n_steps, 1), gpus // (tp * pp) or 1, pp,
+                                    mb_tokens)
     if gpus <= 1:
         return compute
     bw = NVLINK_BYTES_PER_S if gpus <= paper.GPUS_PER_MACHINE else NET_BYTES_PER_S_PER_GPU
     return n_steps * max(compute / n_steps, 3.0 * m.weight_bytes / bw)
+
+
+def pipeline_stretch(step_tokens: float, dp: int, pp: int, mb_tokens: float) -> float:
+    """(m + p - 1) / m for a 1F1B pipeline of p stages over m micro-batches, where m is one
+    data-parallel rank's share of a step's tokens in micro-batches of at most mb_tokens."""
+    if pp <= 1:
+        return 1.0
+    mbs = max(1, math.ceil(step_tokens / dp / mb_tokens)) if mb_tokens < float("inf") else 0
+    return (mbs + pp - 1) / mbs if mbs else 1.0
 
 
 # --- weight movement --------------------------------------------------------------------

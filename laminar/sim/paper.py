@@ -48,6 +48,8 @@ SCALES = {m: [t for t, _, _ in rows] for m, rows in _ONE_STEP.items()}
 # App. A.2: rollout TP. 7B is TP1 in AReaL and Laminar, TP2 elsewhere.
 ROLLOUT_TP = {"7b": 2, "32b": 4, "72b": 8}
 ROLLOUT_TP_7B_SINGLE = ("partial", "laminar")
+# App. A.2: AReaL trains with Megatron-LM at these (TP, PP); the others use FSDP + Ulysses SP.
+AREAL_TRAIN_TP_PP = {"7b": (2, 1), "32b": (4, 2), "72b": (4, 4)}
 
 # Fig. 11: tokens/s by model, total GPUs and mode.
 FIG11: dict[str, dict[int, dict[str, float]]] = {

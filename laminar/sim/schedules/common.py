@@ -39,11 +39,15 @@ def generate(replicas: list[Replica], groups: list[list[Traj]], t0: float,
 
 
 def train_pipeline(setup: Setup, parts: list[tuple[float, list[Traj]]], controller_free: float,
-                   trainer_free: float, gpus: int | None = None) -> tuple[float, float, float]:
+                   trainer_free: float, gpus: int | None = None,
+                   train_after: float = 0.0) -> tuple[float, float, float]:
     """The verl-based baselines' update: each mini-batch passes the single controller
     (serial, `controller_s_per_token`) and then the trainer; the two stages pipeline.
-    parts = [(ready time, trajectories)]. Returns (controller free, trainer free, busy)."""
+    parts = [(ready time, trajectories)]: when the controller may start on them. The trainer
+    starts no mini-batch before `train_after` (one_step: the whole batch is generated).
+    Returns (controller free, trainer free, busy)."""
     busy = setup.update_overhead_s
+    trainer_free = max(trainer_free, train_after)
     for ready, part in parts:
         controller_free = max(controller_free, ready) + setup.controller_s_per_token * sum(
             tr.prompt_len + tr.target for tr in part)

@@ -20,8 +20,11 @@ def run(setup: Setup, warmup: int, measure: int) -> SimResult:
         # Barrier: batch j fully generated and update j-1 done; then everyone syncs v_j.
         start = max(gen_end, trainer_free) + setup.sync_s
         nxt = generate(replicas, work.groups(setup.prompts, start), start, j)
-        parts = [(gen_end, p) for _, p in minibatches_by_completion(batch, setup.minibatches)]
-        controller_free, trainer_free, busy = train_pipeline(setup, parts, controller_free, start)
+        # The controller scores trajectories as they complete (while batch j+1 waits at
+        # the barrier, as in stream); the trainer starts once batch j is complete.
+        parts = minibatches_by_completion(batch, setup.minibatches)
+        controller_free, trainer_free, busy = train_pipeline(
+            setup, parts, controller_free, start, train_after=gen_end)
         ledger.consume(trainer_free, batch, j, busy)
         batch = nxt
     return finish_result(setup, ledger, replicas, batch, warmup, trainer_free)
