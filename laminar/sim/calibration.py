@@ -22,7 +22,7 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class Calibration:
     # --- rollout engine in the RL setting -------------------------------------------------
-    step_overhead_ms: float = 2.0
+    step_overhead_ms: float = 0.0
     """Fixed cost added to every decode step over Fig. 4's microbenchmark (scheduler, sampler
     with log-probs, data streaming). Fitted with `seq_overhead_ms` to Fig. 9's replica
     timeline (KV full at ~160 s, queue empty ~325 s, batch done ~675 s); see docs."""
@@ -59,7 +59,7 @@ class Calibration:
     7B @ 32 point bounds it: AReaL with 16 trainer GPUs (54.9k tokens/s) stays below laminar
     with 24 (66.6k), which needs a lower per-GPU training rate than laminar's."""
 
-    megatron_mb_tokens: float = 16384.0
+    megatron_mb_tokens: float = 32768.0
     """AReaL's Megatron trainer: tokens per micro-batch (a packed micro-batch of one data-
     parallel rank). With App. A.2's pipeline parallelism (PP 2 at 32B, 4 at 72B) it sets the
     1F1B bubble: a rank with m micro-batches per optimizer step idles (PP - 1) / (m + PP - 1)
@@ -67,7 +67,7 @@ class Calibration:
     maximum-length response per micro-batch; the paper gives no number."""
 
     # --- verl-based baselines (sync, one_step, stream) -------------------------------------
-    controller_us_per_token: float = 16.0
+    controller_us_per_token: float = 15.0
     """Serial work per prompt+response token at the global barrier of the verl-based
     baselines: the single controller gathers the batch, computes rule-based rewards and packs
     mini-batches before the trainer can use them (pipelined with the trainer per mini-batch).
