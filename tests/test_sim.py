@@ -254,3 +254,21 @@ def test_closed_form_segments_match_a_naive_step_by_step_engine():
         assert got.keys() == expected.keys()
         for k in got:
             assert got[k] == pytest.approx(expected[k], rel=1e-9), (trial, k)
+
+
+def test_megatron_pipeline_bubble_is_1f1b_and_grows_with_strong_scaling():
+    # 1e6 tokens per optimizer step over 10 data-parallel ranks = 1e5 tokens each, cut into
+    # 32K-token micro-batches = 4 micro-batches; 4 stages: (4 + 3) / 4.
+    assert costs.pipeline_stretch(1e6, 10, 4, 32768) == pytest.approx(7 / 4)
+    assert costs.pipeline_stretch(1e6, 10, 1, 32768) == 1.0  # no pipeline, no bubble
+    assert costs.pipeline_stretch(1e6, 10, 4, float("inf")) == 1.0
+    m, tokens, sq = costs.QWEN25["72b"], 10e6, 0.0
+    tp_pp = paper.AREAL_TRAIN_TP_PP["72b"]
+
+    def gpu_seconds(g: int, pp: tuple[int, int]) -> float:
+        return g * costs.train_s(m, g, tokens, sq, 4, 0.3, pp, 32768)
+
+    # Without a pipeline, GPU-seconds of compute do not change with the GPU count (until the
+    # FSDP floor); with AReaL's PP 4 they grow: fewer micro-batches per rank, more bubble.
+    assert gpu_seconds(640, tp_pp) > 1.3 * gpu_seconds(64, tp_pp)
+    assert gpu_seconds(64, tp_pp) > gpu_seconds(64, (1, 1))

@@ -137,3 +137,24 @@ def test_partial_rollout_mixes_versions_and_the_others_do_not():
         r = simulate(mode, "72b", 64, cal, warmup=1, measure=1)
         assert r.mixed_version_trajs == 0
         assert max(r.staleness) <= (0 if mode == "sync" else 1)
+
+
+def test_train_pipeline_controller_streams_and_the_trainer_waits_for_train_after():
+    """train_pipeline in closed form: two mini-batches of 10 tokens, controller 0.1 s/token
+    (1 s each), trainer 1e-4 s/token (toy). Ready at 1 s and 2 s; the trainer may not start
+    before 3 s (one_step: the whole batch generated). The controller streams (done at 2 s
+    and 3 s), so only the training remains after 3 s."""
+    from laminar.sim.schedules.common import train_pipeline
+    from laminar.sim.workload import Traj
+
+    setup = toy("one_step", controller_s_per_token=0.1)
+    parts = [(float(i), [Traj(i, i, prompt_len=0, target=10)]) for i in (1, 2)]
+    ctrl, trainer, _ = train_pipeline(setup, parts, 0.0, 0.0, train_after=3.0)
+    assert ctrl == pytest.approx(3.0)
+    assert trainer == pytest.approx(3.0 + 2 * 10 * 1e-4)
+    # All ready at the barrier instead (the pre-streaming one_step): the controller's 2 s
+    # come after it, and the trainer finishes one controller step after that.
+    late = [(3.0, p) for _, p in parts]
+    ctrl, trainer, _ = train_pipeline(setup, late, 0.0, 0.0, train_after=3.0)
+    assert ctrl == pytest.approx(5.0)
+    assert trainer == pytest.approx(5.0 + 10 * 1e-4)
