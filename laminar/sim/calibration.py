@@ -24,11 +24,12 @@ class Calibration:
     # --- rollout engine in the RL setting -------------------------------------------------
     step_overhead_ms: float = 0.0
     """Fixed cost added to every decode step over Fig. 4's microbenchmark (scheduler, sampler
-    with log-probs, data streaming). Fitted with `seq_overhead_ms` to Fig. 9's replica
-    timeline (KV full at ~160 s, queue empty ~325 s, batch done ~675 s); see docs."""
+    with log-probs, data streaming). Chosen by the Fig. 11 search (fit.py): none. Fig. 9's
+    replica timeline would need +10 ms here and +0.15 ms per sequence, which Fig. 11's 7B
+    laminar rates rule out; see docs/simulator.md."""
     seq_overhead_ms: float = 0.0
     """Per running sequence per step on top of Fig. 4 (per-sequence sampling and log-prob
-    work). From the same Fig. 9 fit."""
+    work). Chosen by the Fig. 11 search: none."""
     gpu_mem_util: float = 0.8
     """Fraction of GPU memory the rollout engine may use (vLLM's gpu_memory_utilization);
     the rest of the Fig. 9 fit."""
@@ -63,8 +64,8 @@ class Calibration:
     """AReaL's Megatron trainer: tokens per micro-batch (a packed micro-batch of one data-
     parallel rank). With App. A.2's pipeline parallelism (PP 2 at 32B, 4 at 72B) it sets the
     1F1B bubble: a rank with m micro-batches per optimizer step idles (PP - 1) / (m + PP - 1)
-    of the step, and strong scaling shrinks m (see costs.pipeline_stretch). 16K = one
-    maximum-length response per micro-batch; the paper gives no number."""
+    of the step, and strong scaling shrinks m (see costs.pipeline_stretch). The paper gives
+    no number; 32K (two maximum-length responses) was chosen by fit.py."""
 
     # --- verl-based baselines (sync, one_step, stream) -------------------------------------
     controller_us_per_token: float = 15.0
@@ -73,7 +74,9 @@ class Calibration:
     mini-batches before the trainer can use them (pipelined with the trainer per mini-batch).
     The paper's baselines plateau at ~60k tokens/s for every model size (one-step: 63.5k
     7B, 63.8k 32B, 58.1k 72B), i.e. a per-token cost that more GPUs do not shrink. Laminar
-    and AReaL compute rewards per trajectory, off the critical path."""
+    and AReaL compute rewards per trajectory, off the critical path. verl starts this work
+    after its barrier; one_step and stream score trajectories as they complete (see
+    schedules/). 15 us (fit.py) puts the one-step / stream plateau at 66.7k tokens/s."""
 
     # --- workload ---------------------------------------------------------------------------
     group_corr: float = 0.5
@@ -81,8 +84,10 @@ class Calibration:
     are long for every sample). The paper gives no number."""
     length_max_quantile: float = 0.99999
     """Where Fig. 17's "max" length sits in the distribution. The paper does not say how
-    many responses its CDF holds; 0.9999 assumes about ten thousand. It matters for 72B,
-    whose max (12.3k) is far beyond its p99 (2.8k): it sets the decode tail of a batch."""
+    many responses its CDF holds; a throughput run makes 15 iterations x 8192 = 122,880
+    (10 warm-up + 5 measured, §8.1), and the largest of ~1e5 draws sits near quantile
+    1 - 1e-5. It matters for 72B, whose max (12.3k) is far beyond its p99 (2.8k): it sets
+    the decode tail of a batch, and so the 72B baselines' iteration."""
     prompt_median: float = 200.0
     """Median prompt tokens (DAPO-Math prompts with the template; max 2K per §8.1)."""
     prompt_sigma: float = 0.4
