@@ -103,7 +103,17 @@ class RolloutConfig(Section):
         "1 would leave no room to work ahead (a synchronous pipeline).")
     stream_every: int = Field(16, ge=1, description="Stream each trajectory's new tokens to the "
                               "partial response pool every this many tokens.")
+    stream_interval_s: float = Field(
+        0.25, ge=0.0, description="At most one partial-pool update per rollout per this many "
+        "seconds (it carries every trajectory's new tokens). A crash loses at most this much "
+        "generation; each update is a Ray call that costs CPU, so 0 (one per engine step) is "
+        "expensive on small machines.")
     threads: int = Field(1, ge=1, description="torch threads per rollout worker.")
+    cpu_nice: int = Field(
+        4, ge=0, le=19, description="Raise each rollout worker's nice value by this much: on a "
+        "machine where rollouts and the trainer share CPU cores, the trainer (the critical path "
+        "of every schedule that overlaps them) runs first and rollouts use what is left, as if "
+        "they had their own hardware. 0 = equal priority.")
     env_latency: EnvLatencyConfig = Field(default_factory=EnvLatencyConfig,
                                           description="Emulated environment (tool call) latency.")
     group_size: int = Field(8, ge=2, description="Samples per prompt (the GRPO group size n).")

@@ -111,6 +111,10 @@ class PromptPool:
         self.completed.append(group_id)
         return True
 
+    def complete_many(self, group_ids: list[str]) -> int:
+        """`complete` for several groups in one call; returns how many were leased."""
+        return sum(self.complete(gid) for gid in group_ids)
+
     def release_owner(self, owner: str, keep: set[str] = frozenset()) -> list[str]:
         """A dead owner's leases return to the pool, except groups in `keep` (whose samples live
         on elsewhere: in the partial pool or the buffer). Returns the group ids returned."""

@@ -7,8 +7,8 @@ engine and the in-flight table.
 
 The loop (`_tick`): one engine step; finished requests are scored and, after the emulated
 environment latency, put into the experience buffer (idempotent); every `stream_every` tokens
-each trajectory's new tokens go to the partial response pool, so that a dead or repacked
-worker loses nothing.
+each trajectory's new tokens go to the partial response pool (one call per
+`stream_interval_s` at most), so that a dead or repacked worker loses little.
 
 Schedules drive it two ways:
 - `generate_groups(n)`: lease n groups now and return when they are all in the buffer (sync,
@@ -23,6 +23,7 @@ Schedules drive it two ways:
 from __future__ import annotations
 
 import heapq
+import os
 import threading
 import time
 import zlib
@@ -42,6 +43,13 @@ from laminar.rollout.requests import group_requests, sampling_params
 from laminar.tasks import Task
 from laminar.tasks.rewards import resolve_reward
 from laminar.types import GenerationRequest, PromptGroup, Trajectory
+
+
+# Ray calls cost CPU in both processes (~0.1-0.5 ms each). The loop batches them: buffer puts
+# and their acknowledgements at most every FLUSH_S, a refused lease is asked again after
+# LEASE_RETRY_S (admission control), partial-pool updates at most every rollout.stream_interval_s.
+FLUSH_S = 0.025
+LEASE_RETRY_S = 0.1
 
 
 @dataclass
@@ -68,6 +76,8 @@ class RolloutWorker:
         from laminar.relay.plan import RelayInfo
 
         torch.set_num_threads(cfg.rollout.threads)
+        if cfg.rollout.cpu_nice:
+            os.nice(cfg.rollout.cpu_nice)  # yield the CPU to the trainer (always allowed)
         self.id = worker_id
         self.cfg = cfg
         model, self.tokenizer = load_pretrained(model_dir, cfg.model.attn_implementation)
@@ -92,6 +102,8 @@ class RolloutWorker:
         self.manager = None  # set by the runtime: the manager's handle, for repack triggers
         self.counters = WorkerCounters(versions=[version])
         self.last_renew = 0.0
+        self.last_stream = 0.0
+        self.last_flush = 0.0
         self.next_lease = 0.0
         self.pending_lease = None  # an outstanding lease call (the loop never blocks on it)
         self.leased: list[PromptGroup] = []  # handed out, not started yet (waiting for a pull)
@@ -131,6 +143,11 @@ class RolloutWorker:
             if not self.draining and not self.hold:
                 self._top_up()
             self._tick_or_idle()
+        # what reached the buffer is acknowledged before the loop reports (the accounting reads it)
+        if self.unacked:
+            ray.wait([ref for ref, _ in self.unacked], num_returns=len(self.unacked),
+                     timeout=self._timeout)
+        ray.get(self._flush_env(force=True), timeout=self._timeout)
         return self.snapshot()
 
     def stop(self) -> None:
@@ -266,7 +283,7 @@ class RolloutWorker:
             self.pending_lease = None
             self.leased.extend(groups)
             if not groups:
-                self.next_lease = time.monotonic() + 0.05  # admission control: ask again shortly
+                self.next_lease = time.monotonic() + LEASE_RETRY_S  # admission control said no
         if self.leased and not self.draining:
             self._start(self.leased)
             self.leased = []
@@ -319,13 +336,16 @@ class RolloutWorker:
                 if d.finish_reason is not None:
                     finished.append(self.active.pop(d.request_id))
                     self.streamed.pop(d.request_id, None)
-            every = self.cfg.rollout.stream_every
-            for rid, (req, _) in self.active.items():
-                sent = self.streamed[rid]
-                if len(req.output_ids) - sent >= every:
-                    updates.append(TokenUpdate(rid, req.output_ids[sent:], req.logprobs[sent:],
-                                               version))
-                    self.streamed[rid] = len(req.output_ids)
+            now = time.monotonic()
+            if now - self.last_stream >= self.cfg.rollout.stream_interval_s:
+                self.last_stream = now
+                every = self.cfg.rollout.stream_every
+                for rid, (req, _) in self.active.items():
+                    sent = self.streamed[rid]
+                    if len(req.output_ids) - sent >= every:
+                        updates.append(TokenUpdate(rid, req.output_ids[sent:], req.logprobs[sent:],
+                                                   version))
+                        self.streamed[rid] = len(req.output_ids)
         if deltas:
             self.counters.busy_s += time.perf_counter() - t0
             self.counters.generated_tokens += sum(len(d.token_ids) for d in deltas)
@@ -354,24 +374,34 @@ class RolloutWorker:
             delay = min(env.max_s, env.median_s * float(np.exp(env.sigma * self.rng.standard_normal())))
         heapq.heappush(self.env_wait, (time.monotonic() + delay, traj.traj_id, traj))
 
-    def _flush_env(self) -> bool:
+    def _flush_env(self, force: bool = False) -> Any:
         """Put trajectories whose environment call is over into the buffer (asynchronously);
-        once the buffer has them, drop them from the partial pool and close complete groups."""
+        once the buffer has them, drop them from the partial pool and close complete groups.
+        Returns whether anything moved; with `force` (no rate limit), the refs of the calls."""
         now = time.monotonic()
+        if now - self.last_flush < FLUSH_S and not force:
+            return False
+        self.last_flush = now
         ready = []
         while self.env_wait and self.env_wait[0][0] <= now:
             ready.append(heapq.heappop(self.env_wait)[2])
         if ready:
             self.unacked.append((self.buffer.put_many.remote(ready), [t.traj_id for t in ready]))
-        acked = 0
+        done_ids: list[str] = []
+        done_groups: list[str] = []
         while self.unacked and ray.wait([self.unacked[0][0]], timeout=0)[0]:
             ref, ids = self.unacked.pop(0)
-            for gid in ray.get(ref):
-                self.prompts.complete.remote(gid)
-            self.partials.remove.remote(ids)
-            self.counters.finished += len(ids)
-            acked += len(ids)
-        return bool(ready) or bool(acked)
+            done_groups += ray.get(ref)
+            done_ids += ids
+        calls = []
+        if done_groups:
+            calls.append(self.prompts.complete_many.remote(done_groups))
+        if done_ids:
+            calls.append(self.partials.remove.remote(done_ids))
+            self.counters.finished += len(done_ids)
+        if force:
+            return calls  # the caller waits for them
+        return bool(ready) or bool(done_ids)
 
     @property
     def has_work(self) -> bool:
