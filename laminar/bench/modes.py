@@ -89,16 +89,22 @@ def reward_at(curve: list[tuple[float, float]], seconds: float) -> float:
 def run_mode(mode: str, steps: int, root: Path) -> dict[str, Any]:
     from laminar.modes import run_training
 
+    from laminar.bench.cpu import CpuMeter
+
     cfg = bench_config(mode, steps, root / mode)
     t0 = time.perf_counter()
-    run_training(cfg)
+    with CpuMeter() as cpu:
+        run_training(cfg)
     rows = read_metrics(cfg.resolved_run_dir)
     hist: Counter = Counter()
     for r in rows:
         hist.update({int(k): v for k, v in r["staleness_hist"].items()})
     return {"throughput": throughput(rows), "curve": reward_curve(rows),
             "staleness": dict(sorted(hist.items())), "wall_s": time.perf_counter() - t0,
-            "breakdown": breakdown(rows)}
+            "breakdown": breakdown(rows),
+            "cpu": {"wall_s": round(cpu.wall_s, 1), "seconds": cpu.seconds,
+                    "per_trained_ktoken": round(sum(cpu.seconds.values()) * 1000
+                                                / sum(r["batch_tokens"] for r in rows), 3)}}
 
 
 def run_trl(steps: int, root: Path) -> dict[str, Any]:
@@ -193,6 +199,7 @@ def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
         "reward_at_sync_end_by_mode": {m: reward_at(r["curve"], sync_end_s) for m, r in results.items()},
         "wall_s_by_mode": {m: r["wall_s"] for m, r in results.items()},
         "breakdown_by_mode": {m: r["breakdown"] for m, r in results.items() if "breakdown" in r},
+        "cpu_by_mode": {m: r["cpu"] for m, r in results.items() if "cpu" in r},
     }
     table = Table(title=f"laminar bench modes ({steps} steps, env latency on)")
     for col in ("mode", "tok/s", "laminar/mode", f"time to {target:.3f}",
@@ -213,6 +220,15 @@ def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
     for m, b in report["breakdown_by_mode"].items():
         detail.add_row(m, *("-" if b[k] is None else f"{b[k]:.3g}" for k in (*BREAKDOWN, "repacks")))
     console.print(detail)
+    cpu = Table(title="where the CPU goes (CPU seconds over each mode's whole run)")
+    parts = ("TrainerWorker", "RolloutWorker", "PromptPool", "ExperienceBuffer", "PartialPool",
+             "RolloutManager", "Relay", "driver", "ray daemons")
+    for col in ("mode", "wall s", *parts, "CPU s per 1k trained tokens"):
+        cpu.add_column(col)
+    for m, c in report["cpu_by_mode"].items():
+        cpu.add_row(m, f"{c['wall_s']:.0f}", *(f"{c['seconds'].get(p, 0):.1f}" for p in parts),
+                    f"{c['per_trained_ktoken']:.3f}")
+    console.print(cpu)
     if out:
         Path(out).write_text(json.dumps(report, indent=2))
         print(f"wrote {out}")

@@ -1,0 +1,31 @@
+"""The benchmark's CPU accounting: which process belongs to which component, and a real meter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from laminar.bench.cpu import CpuMeter, component
+
+
+def test_processes_are_grouped_by_component():
+    assert component(["ray::RolloutWorker.run_free()"], 10, 1) == "RolloutWorker"
+    assert component(["ray::TrainerWorker"], 10, 1) == "TrainerWorker"
+    assert component(["/x/ray/core/src/ray/raylet/raylet", "--raylet_socket_name=a"], 10, 1) == "ray daemons"
+    assert component(["python", "train.py"], 1, 1) == "driver"
+    assert component(["python", "something_else.py"], 10, 1) is None
+
+
+def test_the_meter_counts_cpu_of_the_driver_and_not_of_strangers():
+    stranger = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with CpuMeter(period_s=0.1) as meter:
+            x = 0
+            while meter.thread.is_alive() and x < 3_000_000:
+                x += 1
+    finally:
+        stranger.kill()
+    assert meter.seconds.get("driver", 0) > 0.05
+    assert stranger.pid not in meter.last  # a busy process that is not part of the run
+    assert meter.last[os.getpid()][0] == "driver"
