@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from laminar.sim import paper
@@ -158,3 +160,15 @@ def test_train_pipeline_controller_streams_and_the_trainer_waits_for_train_after
     ctrl, trainer, _ = train_pipeline(setup, late, 0.0, 0.0, train_after=3.0)
     assert ctrl == pytest.approx(5.0)
     assert trainer == pytest.approx(5.0 + 10 * 1e-4)
+
+
+def test_laminar_waits_for_trajectories_still_in_the_environment():
+    """Regression: with a finite admission window (max_outstanding_batches) the rollouts
+    lease one batch, decode it in 0.5 s and then all sit idle while its trajectories are in
+    the reward environment for 6 s, past the 5 s repack check. That is no stall (it raised
+    one): the batch arrives when the environment answers, trains, and admission reopens."""
+    setup = toy("laminar", env_median_s=6.0, env_sigma=0.0)
+    setup = dataclasses.replace(setup, cal=setup.cal.with_overrides(max_outstanding_batches=1.0))
+    assert setup.cal.repack_check_s < 6.0
+    r = SCHEDULES["laminar"](setup, 2, 3)
+    assert TOKENS / r.throughput == pytest.approx(GEN_S + 6.0 + TOKENS * 1e-4)

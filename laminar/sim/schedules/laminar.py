@@ -132,9 +132,14 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
         check(clock.now)
         if ledger.num_updates >= warmup + measure:
             return
-        if not (state["training"] or pulling or any(not r.is_idle for r in replicas)):
+        # Alive while anything can still make progress: a rollout decoding, one pulling, the
+        # trainer, or finished trajectories still in the reward environment (they complete
+        # groups when they come back, which then lets the trainer and admission go on).
+        if not (state["training"] or pulling or buffer.in_env
+                or any(not r.is_idle for r in replicas)):
             raise RuntimeError(f"laminar simulation stalled at t={clock.now:.1f}s: no rollout "
-                               "busy, none pulling and the trainer idle")
+                               "busy, none pulling, none in the environment and the trainer "
+                               "idle")
         clock.at(clock.now + cal.repack_check_s, periodic)
 
     waker = Waker(clock, on_replica)
