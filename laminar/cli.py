@@ -39,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=sorted(BENCHMARKS))
     p.add_argument("--quick", action="store_true", help="a smaller run of about a minute")
     p.add_argument("--out", default=None, help="write the JSON results here")
+    p.add_argument("--modes", default=None,
+                   help="modes only: comma-separated subset of laminar,sync,one_step,stream,"
+                        "partial,trl (default: all)")
+    p.add_argument("--steps", type=int, default=None, help="modes only: trainer steps per mode")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="modes only: change the shared workload (repeatable), e.g. "
+                        "--set rollout.num_workers=4")
 
     p = sub.add_parser("report", help="summary and plots of a run directory")
     p.add_argument("run_dir", help="e.g. runs/reverse")
@@ -67,7 +74,14 @@ def main(argv: list[str] | None = None) -> int:
             run_sft(load_config(args.config, args.overrides))
         elif args.command == "bench":
             module = importlib.import_module(BENCHMARKS[args.name])
-            module.main(quick=args.quick, out=args.out)
+            extra = {"modes": args.modes, "steps": args.steps, "overrides": args.overrides}
+            if args.name == "modes":
+                module.main(quick=args.quick, out=args.out, **extra)
+            elif any(extra.values()):
+                raise ConfigError(f"--modes, --steps and --set apply to `laminar bench modes` "
+                                  f"only, not to `{args.name}`")
+            else:
+                module.main(quick=args.quick, out=args.out)
         elif args.command == "report":
             from laminar.report import main as report_main
 

@@ -40,9 +40,9 @@ MODES = ("laminar", "sync", "one_step", "stream", "partial")
 WARMUP_STEPS = 3  # the first updates include actor start-up and the first batch's fill
 
 
-def bench_config(mode: str, steps: int, run_dir: Path) -> Config:
-    return load_config(None, WORKLOAD + [f"mode={mode}", f"trainer.total_steps={steps}",
-                                         f"run_dir={run_dir}", f"name=bench-{mode}"])
+def bench_config(mode: str, steps: int, run_dir: Path, overrides: list[str] = ()) -> Config:
+    return load_config(None, WORKLOAD + list(overrides) + [
+        f"mode={mode}", f"trainer.total_steps={steps}", f"run_dir={run_dir}", f"name=bench-{mode}"])
 
 
 def throughput(rows: list[dict[str, Any]]) -> float:
@@ -86,12 +86,12 @@ def reward_at(curve: list[tuple[float, float]], seconds: float) -> float:
     return reached[-1] if reached else curve[0][1]
 
 
-def run_mode(mode: str, steps: int, root: Path) -> dict[str, Any]:
+def run_mode(mode: str, steps: int, root: Path, overrides: list[str] = ()) -> dict[str, Any]:
     from laminar.modes import run_training
 
     from laminar.bench.cpu import CpuMeter
 
-    cfg = bench_config(mode, steps, root / mode)
+    cfg = bench_config(mode, steps, root / mode, overrides)
     t0 = time.perf_counter()
     with CpuMeter() as cpu:
         run_training(cfg)
@@ -107,7 +107,7 @@ def run_mode(mode: str, steps: int, root: Path) -> dict[str, Any]:
                                                 / sum(r["batch_tokens"] for r in rows), 3)}}
 
 
-def run_trl(steps: int, root: Path) -> dict[str, Any]:
+def run_trl(steps: int, root: Path, overrides: list[str] = ()) -> dict[str, Any]:
     """TRL's GRPOTrainer on the same warm-started model, tokenizer, prompts, reward and batch."""
     import os
 
@@ -122,7 +122,7 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
     from laminar.tasks.rewards import similarity_reward
     from laminar.trainer.sft import run_sft
 
-    cfg = bench_config("sync", steps, root / "trl")
+    cfg = bench_config("sync", steps, root / "trl", overrides)
     torch.set_num_threads(2)  # one process: TRL gets both cores
     model, tokenizer = load_pretrained(run_sft(cfg))
     task = build_task(cfg.task)
@@ -167,29 +167,47 @@ def run_trl(steps: int, root: Path) -> dict[str, Any]:
             "wall_s": time.perf_counter() - t0}
 
 
-def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
+def parse_modes(modes: str | None) -> list[str]:
+    chosen = list(MODES) + ["trl"] if not modes else [m.strip() for m in modes.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in (*MODES, "trl")]
+    if unknown or "laminar" not in chosen:
+        from laminar.config import ConfigError
+
+        raise ConfigError(f"--modes {modes!r}: {'unknown ' + ', '.join(unknown) if unknown else 'no laminar'}; "
+                          f"pick from {', '.join((*MODES, 'trl'))}, laminar included (ratios are "
+                          "laminar / mode)")
+    return chosen
+
+
+def main(quick: bool = False, out: str | None = None, modes: str | None = None,
+         steps: int | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     import ray
     from rich.console import Console
     from rich.table import Table
 
-    steps = 8 if quick else 40
+    chosen = parse_modes(modes)
+    overrides = list(overrides or [])
+    bench_config("laminar", 1, Path("/tmp"), overrides)  # a bad --set fails before anything runs
+    steps = steps or (8 if quick else 40)
     root = Path(tempfile.mkdtemp(prefix="laminar-bench-modes-"))
     import os
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
-        results = {mode: run_mode(mode, steps, root) for mode in MODES}
+        results = {mode: run_mode(mode, steps, root, overrides) for mode in MODES if mode in chosen}
     finally:
         ray.shutdown()
-    results["trl"] = run_trl(steps, root)
+    if "trl" in chosen:
+        results["trl"] = run_trl(steps, root, overrides)
 
     # target: the reward on-policy sync ends with (10-step moving average); who gets there first?
-    target = results["sync"]["curve"][-1][1]
-    sync_end_s = results["sync"]["curve"][-1][0]
+    # (without sync in the run: laminar's own final reward)
+    reference = results["sync" if "sync" in results else "laminar"]["curve"][-1]
+    sync_end_s, target = reference
     tput = {m: r["throughput"] for m, r in results.items()}
     report = {
-        "workload": WORKLOAD, "steps": steps, "quick": quick,
+        "workload": WORKLOAD + overrides, "steps": steps, "quick": quick,
         "throughput_by_mode": tput,
         "ratio_laminar_vs": {m: tput["laminar"] / v for m, v in tput.items() if m != "laminar"},
         "staleness_hist_by_mode": {m: r["staleness"] for m, r in results.items()},
@@ -205,7 +223,7 @@ def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
     for col in ("mode", "tok/s", "laminar/mode", f"time to {target:.3f}",
                 f"reward at {sync_end_s:.0f}s", "staleness histogram"):
         table.add_column(col)
-    for m in (*MODES, "trl"):
+    for m in results:
         ttt = report["time_to_target_s_by_mode"][m]
         table.add_row(m, f"{tput[m]:.0f}", "-" if m == "laminar" else f"{report['ratio_laminar_vs'][m]:.2f}x",
                       f"{ttt:.1f}s" if ttt is not None else "not reached",

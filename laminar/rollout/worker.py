@@ -138,8 +138,9 @@ class RolloutWorker:
                         self.manager.on_draining.remote(self.id)  # repack trigger
                 if not self.active and not self.hold:
                     with self.lock:
-                        self._load_newest()
-                    self.draining = False
+                        if not self.active:  # a repack or failover may have adopted work since
+                            self._load_newest()
+                            self.draining = False
             if not self.draining and not self.hold:
                 self._top_up()
             self._tick_or_idle()

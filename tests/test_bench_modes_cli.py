@@ -1,4 +1,5 @@
-"""The benchmark's CPU accounting: which process belongs to which component, and a real meter."""
+"""`laminar bench modes`: its CPU accounting (which process is which component, a real meter) and
+its options (bad ones fail before anything starts)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,16 @@ def test_the_meter_counts_cpu_of_the_driver_and_not_of_strangers():
     assert meter.seconds.get("driver", 0) > 0.05
     assert stranger.pid not in meter.last  # a busy process that is not part of the run
     assert meter.last[os.getpid()][0] == "driver"
+
+
+def test_bench_modes_options_fail_early_with_a_clear_message(capsys):
+    from laminar.cli import main
+
+    assert main(["bench", "modes", "--set", "rollout.num_wrkers=4"]) == 2
+    assert "num_wrkers" in capsys.readouterr().err
+    assert main(["bench", "modes", "--modes", "laminar,verl"]) == 2
+    assert "unknown verl" in capsys.readouterr().err
+    assert main(["bench", "modes", "--modes", "sync,partial"]) == 2
+    assert "laminar included" in capsys.readouterr().err
+    assert main(["bench", "engine", "--set", "rollout.num_workers=4"]) == 2
+    assert "apply to `laminar bench modes` only" in capsys.readouterr().err
