@@ -109,3 +109,15 @@ def test_train_step_records_staleness_and_bumps_version():
     assert [t.staleness for t in trajs] == [1, 0, 1, 0]
     assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_a_torn_audit_line_is_cut_back_to_the_last_complete_one(tmp_path):
+    from laminar.trainer.worker import drop_torn_last_line
+
+    path = tmp_path / "trajectories.jsonl"
+    path.write_text('{"a": 1}\n{"b": 2}\n{"c": ')
+    drop_torn_last_line(path)
+    assert path.read_text() == '{"a": 1}\n{"b": 2}\n'
+    drop_torn_last_line(path)  # complete: unchanged
+    assert path.read_text() == '{"a": 1}\n{"b": 2}\n'
+    drop_torn_last_line(tmp_path / "missing.jsonl")  # no file: nothing to do

@@ -31,6 +31,16 @@ from laminar.trainer.trainer import Trainer
 from laminar.types import Trajectory
 
 
+def drop_torn_last_line(path: Path) -> None:
+    """Cut a JSONL file back to its last complete line (a process killed mid-append)."""
+    if not path.exists():
+        return
+    with path.open("rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 class TrainerWorker:
     def __init__(self, cfg: Config, model_dir: str, plan: dict[str, Any], secret: bytes,
                  pools: dict[str, str]) -> None:
@@ -72,7 +82,9 @@ class TrainerWorker:
     def publish(self) -> float:
         """Push the current weights to the master relay; returns the stall in seconds."""
         result = self.pusher.push(self.trainer.named_weights(), self.trainer.version)
-        self._state_file.write_text(json.dumps({"published": self.trainer.version}))
+        tmp = self._state_file.with_suffix(".tmp")  # atomic: a kill never leaves half a file
+        tmp.write_text(json.dumps({"published": self.trainer.version}))
+        os.replace(tmp, self._state_file)
         return result.seconds
 
     @property
@@ -92,7 +104,9 @@ class TrainerWorker:
         published = json.loads(self._state_file.read_text())["published"] if self._state_file.exists() else -1
         resumed_at = self.trainer.version
         self.trainer.version = max(self.trainer.version, published)
-        with (self.cfg.resolved_run_dir / "trajectories.jsonl").open("a") as f:
+        audit = self.cfg.resolved_run_dir / "trajectories.jsonl"
+        drop_torn_last_line(audit)  # the kill may have landed mid-append
+        with audit.open("a") as f:
             f.write(json.dumps({"event": "trainer_restart", "checkpoint": str(ckpts[-1]) if ckpts else None,
                                 "resumed_at": resumed_at, "continues_at": self.trainer.version,
                                 "requeued_groups": requeued}) + "\n")
