@@ -121,3 +121,15 @@ def test_a_torn_audit_line_is_cut_back_to_the_last_complete_one(tmp_path):
     drop_torn_last_line(path)  # complete: unchanged
     assert path.read_text() == '{"a": 1}\n{"b": 2}\n'
     drop_torn_last_line(tmp_path / "missing.jsonl")  # no file: nothing to do
+
+
+def test_a_torn_line_longer_than_the_read_block_is_cut_too(tmp_path):
+    from laminar.trainer.worker import drop_torn_last_line
+
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"a": 1}\n' + "x" * 50)
+    drop_torn_last_line(path, block=8)
+    assert path.read_text() == '{"a": 1}\n'
+    path.write_text("no newline at all")
+    drop_torn_last_line(path, block=4)
+    assert path.read_text() == ""

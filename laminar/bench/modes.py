@@ -87,9 +87,8 @@ def reward_at(curve: list[tuple[float, float]], seconds: float) -> float:
 
 
 def run_mode(mode: str, steps: int, root: Path, overrides: list[str] = ()) -> dict[str, Any]:
-    from laminar.modes import run_training
-
     from laminar.bench.cpu import CpuMeter
+    from laminar.modes import run_training
 
     cfg = bench_config(mode, steps, root / mode, overrides)
     t0 = time.perf_counter()

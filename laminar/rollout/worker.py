@@ -144,11 +144,7 @@ class RolloutWorker:
             if not self.draining and not self.hold:
                 self._top_up()
             self._tick_or_idle()
-        # what reached the buffer is acknowledged before the loop reports (the accounting reads it)
-        if self.unacked:
-            ray.wait([ref for ref, _ in self.unacked], num_returns=len(self.unacked),
-                     timeout=self._timeout)
-        ray.get(self._flush_env(force=True), timeout=self._timeout)
+        self._settle()
         return self.snapshot()
 
     def stop(self) -> None:
@@ -375,10 +371,9 @@ class RolloutWorker:
             delay = min(env.max_s, env.median_s * float(np.exp(env.sigma * self.rng.standard_normal())))
         heapq.heappush(self.env_wait, (time.monotonic() + delay, traj.traj_id, traj))
 
-    def _flush_env(self, force: bool = False) -> Any:
-        """Put trajectories whose environment call is over into the buffer (asynchronously);
-        once the buffer has them, drop them from the partial pool and close complete groups.
-        Returns whether anything moved; with `force` (no rate limit), the refs of the calls."""
+    def _flush_env(self, force: bool = False) -> bool:
+        """Put trajectories whose environment call is over into the buffer (asynchronously),
+        at most every FLUSH_S unless `force`, and acknowledge what the buffer confirmed."""
         now = time.monotonic()
         if now - self.last_flush < FLUSH_S and not force:
             return False
@@ -388,6 +383,11 @@ class RolloutWorker:
             ready.append(heapq.heappop(self.env_wait)[2])
         if ready:
             self.unacked.append((self.buffer.put_many.remote(ready), [t.traj_id for t in ready]))
+        return bool(ready) or bool(self._acknowledge())
+
+    def _acknowledge(self) -> list[Any]:
+        """For every buffer put that has returned: drop its trajectories from the partial pool
+        and close the groups it completed. Returns the refs of those calls."""
         done_ids: list[str] = []
         done_groups: list[str] = []
         while self.unacked and ray.wait([self.unacked[0][0]], timeout=0)[0]:
@@ -400,9 +400,16 @@ class RolloutWorker:
         if done_ids:
             calls.append(self.partials.remove.remote(done_ids))
             self.counters.finished += len(done_ids)
-        if force:
-            return calls  # the caller waits for them
-        return bool(ready) or bool(done_ids)
+        return calls
+
+    def _settle(self) -> None:
+        """Before the loop reports: everything that reached the buffer is acknowledged, and
+        those calls have landed (the final accounting reads them)."""
+        self._flush_env(force=True)
+        if self.unacked:
+            ray.wait([ref for ref, _ in self.unacked], num_returns=len(self.unacked),
+                     timeout=self._timeout)
+        ray.get(self._acknowledge(), timeout=self._timeout)
 
     @property
     def has_work(self) -> bool:

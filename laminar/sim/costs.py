@@ -164,9 +164,7 @@ def train_s(m: ModelSpec, gpus: int, tokens: float, sum_sq: float, n_steps: int,
     flops = 8.0 * m.params * tokens + 8.0 * m.layers * m.hidden * sum_sq
     compute = flops / (gpus * GPU_BF16_FLOPS * mfu)
     tp, pp = tp_pp
-    if pp > 1:
-        compute *= pipeline_stretch(tokens / max(n_steps, 1), gpus // (tp * pp) or 1, pp,
-                                    mb_tokens)
+    compute *= pipeline_stretch(tokens / max(n_steps, 1), gpus // (tp * pp) or 1, pp, mb_tokens)
     if gpus <= 1:
         return compute
     bw = NVLINK_BYTES_PER_S if gpus <= paper.GPUS_PER_MACHINE else NET_BYTES_PER_S_PER_GPU

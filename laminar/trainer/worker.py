@@ -31,14 +31,26 @@ from laminar.trainer.trainer import Trainer
 from laminar.types import Trajectory
 
 
-def drop_torn_last_line(path: Path) -> None:
-    """Cut a JSONL file back to its last complete line (a process killed mid-append)."""
+def drop_torn_last_line(path: Path, block: int = 1 << 16) -> None:
+    """Cut a JSONL file back to its last complete line (a process killed mid-append). Reads
+    only the file's tail."""
     if not path.exists():
         return
     with path.open("rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
+        end = f.seek(0, os.SEEK_END)
+        pos = end
+        while pos > 0:
+            start = max(0, pos - block)
+            f.seek(start)
+            chunk = f.read(pos - start)
+            if pos == end and chunk.endswith(b"\n"):
+                return  # complete
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                f.truncate(start + cut + 1)
+                return
+            pos = start
+        f.truncate(0)  # not one complete line
 
 
 class TrainerWorker:
