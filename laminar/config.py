@@ -158,6 +158,16 @@ class TrainerConfig(Section):
     eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Lower PPO clip (ratio >= 1-eps_low).")
     eps_high: float = Field(0.28, ge=0.0, description="Upper PPO clip, Clip-Higher (DAPO).")
     kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the starting model; 0 = off.")
+    old_logprobs: Literal["rollout", "recompute", "decoupled"] = Field(
+        "rollout", description="What the PPO ratio is taken against. `rollout`: the log-probs the "
+        "engine recorded while generating (the behaviour policy; laminar's choice, one trajectory "
+        "= one version). `recompute`: the trainer's own log-probs under the weights at the start "
+        "of the global batch, one more forward pass per token (verl's compute_log_prob). "
+        "`decoupled`: decoupled PPO (AReaL): clip against those recomputed proximal log-probs and "
+        "weight each token by exp(proximal - behaviour), for mixed-version trajectories.")
+    behaviour_weight_cap: float = Field(
+        5.0, gt=1.0, description="`decoupled` only: tokens whose behaviour importance weight "
+        "exceeds this are left out of the loss (AReaL's behav_imp_weight_cap).")
     prompts_per_step: int = Field(16, ge=1, description="Prompt groups in one global batch.")
     mini_batches: int = Field(1, ge=1, description="Optimizer updates per global batch.")
     micro_batch_tokens: int = Field(2048, ge=1, description="Padded tokens per forward pass; "

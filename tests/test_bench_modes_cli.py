@@ -43,3 +43,14 @@ def test_bench_modes_options_fail_early_with_a_clear_message(capsys):
     assert "laminar included" in capsys.readouterr().err
     assert main(["bench", "engine", "--set", "rollout.num_workers=4"]) == 2
     assert "apply to `laminar bench modes` only" in capsys.readouterr().err
+
+
+def test_partial_rollout_trains_with_decoupled_ppo_unless_told_otherwise(tmp_path):
+    from laminar.bench.modes import bench_config
+
+    algo = {m: bench_config(m, 1, tmp_path).trainer.old_logprobs
+            for m in ("laminar", "sync", "one_step", "stream", "partial")}
+    assert algo == {"laminar": "rollout", "sync": "rollout", "one_step": "rollout",
+                    "stream": "rollout", "partial": "decoupled"}
+    same = bench_config("partial", 1, tmp_path, ["trainer.old_logprobs=rollout"])
+    assert same.trainer.old_logprobs == "rollout"  # --set wins: the schedules alone

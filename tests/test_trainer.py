@@ -53,6 +53,15 @@ def test_kl_term_by_hand():
     assert loss.item() == pytest.approx(0.1 * k3, rel=1e-5)
 
 
+def test_behaviour_weights_scale_each_token_by_hand():
+    ratios = torch.tensor([[1.1, 0.9]])
+    mask = torch.ones(1, 2)
+    w = torch.tensor([[2.0, 0.5]])
+    loss, _ = policy_loss(ratios.log(), torch.zeros(1, 2), torch.tensor([1.0]), mask,
+                          behaviour_weights=w)
+    assert loss.item() == pytest.approx((-1.1 * 2.0 - 0.9 * 0.5) / 2, rel=1e-6)
+
+
 def test_loss_gradient_vanishes_when_clipped():
     lp = torch.tensor([[math.log(2.0)]], requires_grad=True)
     loss, _ = policy_loss(lp, torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1))
@@ -133,3 +142,31 @@ def test_a_torn_line_longer_than_the_read_block_is_cut_too(tmp_path):
     path.write_text("no newline at all")
     drop_torn_last_line(path, block=4)
     assert path.read_text() == ""
+
+
+def _stale_batch():
+    """Two groups whose recorded behaviour log-probs are far from the model's own."""
+    return [_traj(i, f"g{i // 2}", [1, 5, 6], [7, 8, 2], version=0, reward=float(i % 2))
+            for i in range(4)]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "decoupled"])
+def test_recomputed_old_logprobs_are_the_weights_at_the_start_of_the_global_batch(mode):
+    """The first mini-batch is exactly on-policy against the recomputed log-probs (ratio 1),
+    whatever the rollout recorded; the second sees the weights the first one moved."""
+    torch.manual_seed(0)
+    trainer = Trainer(build_preset("tiny"), TrainerConfig(lr=1e-2, mini_batches=2,
+                                                          old_logprobs=mode), pad_token_id=0)
+    trainer.train_step(_stale_batch())
+    first, second = trainer.last_minibatches
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert second["ratio_mean"] != pytest.approx(1.0, abs=1e-6)
+    if mode == "decoupled":  # weight = pi_prox / pi_behaviour, far from 1 for this data
+        assert first["behaviour_weight"] != pytest.approx(1.0, abs=1e-3)
+
+
+def test_rollout_old_logprobs_use_what_the_engine_recorded():
+    torch.manual_seed(0)
+    trainer = Trainer(build_preset("tiny"), TrainerConfig(mini_batches=2), pad_token_id=0)
+    trainer.train_step(_stale_batch())
+    assert trainer.last_minibatches[0]["ratio_mean"] != pytest.approx(1.0, abs=1e-3)

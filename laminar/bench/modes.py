@@ -37,11 +37,19 @@ WORKLOAD = [
     "trainer.threads=1", "rollout.threads=1",
 ]
 MODES = ("laminar", "sync", "one_step", "stream", "partial")
+# The policy objective of each schedule (trainer.old_logprobs), as in the paper's Table 3:
+# GRPO against the engine's log-probs, except partial rollout, whose trajectories mix weight
+# versions: AReaL trains them with decoupled PPO, which recomputes proximal log-probs (one
+# more forward pass per token). `--set trainer.old_logprobs=rollout` gives partial the same
+# loss as the others: the schedules alone.
+REFERENCE_OLD_LOGPROBS = {"laminar": "rollout", "sync": "rollout", "one_step": "rollout",
+                          "stream": "rollout", "partial": "decoupled"}
 WARMUP_STEPS = 3  # the first updates include actor start-up and the first batch's fill
 
 
 def bench_config(mode: str, steps: int, run_dir: Path, overrides: list[str] = ()) -> Config:
-    return load_config(None, WORKLOAD + list(overrides) + [
+    algorithm = [f"trainer.old_logprobs={REFERENCE_OLD_LOGPROBS[mode]}"]
+    return load_config(None, WORKLOAD + algorithm + list(overrides) + [
         f"mode={mode}", f"trainer.total_steps={steps}", f"run_dir={run_dir}", f"name=bench-{mode}"])
 
 
@@ -207,6 +215,8 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
     tput = {m: r["throughput"] for m, r in results.items()}
     report = {
         "workload": WORKLOAD + overrides, "steps": steps, "quick": quick,
+        "old_logprobs_by_mode": {m: bench_config(m, 1, Path("/tmp"), overrides).trainer.old_logprobs
+                                 for m in results if m in MODES},
         "throughput_by_mode": tput,
         "ratio_laminar_vs": {m: tput["laminar"] / v for m, v in tput.items() if m != "laminar"},
         "staleness_hist_by_mode": {m: r["staleness"] for m, r in results.items()},

@@ -55,6 +55,14 @@ class Calibration:
     the hand-off, optimizer bookkeeping, data loading): what more GPUs do not shrink. The
     paper's trainer-bound laminar points lose per-GPU efficiency with scale (32B: 1.3k
     tokens/s/GPU at 16 trainer GPUs, 0.96k at 128), which a fixed cost per update explains."""
+    laminar_rollout_logprobs: bool = False
+    """True: Laminar's trainer takes the behaviour log-probs from the rollout (one trajectory,
+    one version: they are exact), as this project's trainer does, so its update is forward +
+    backward (6P per token), while verl (`compute_log_prob`) and AReaL (decoupled PPO's
+    proximal log-probs) recompute them with one more forward (8P). The paper does not say
+    which Laminar does. With True, the Fig. 11 fit (fit.py, its trainer constants re-searched)
+    stayed at 9 of 60 ratios outside tolerance instead of 3: the paper's numbers fit better if
+    Laminar pays the same forward, so the default gives every system the recompute."""
     partial_trainer_mfu: float = 0.25
     """AReaL's trainer is Megatron-LM, not FSDP (§8.1), so its MFU is its own. The paper's
     7B @ 32 point bounds it: AReaL with 16 trainer GPUs (54.9k tokens/s) stays below laminar

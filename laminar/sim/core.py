@@ -102,6 +102,7 @@ def paper_setup(mode: str, model: str, gpus: int, cal: Calibration | None = None
     tp = paper.rollout_tp(mode, model)
     mfu = cal.partial_trainer_mfu if mode == "partial" else cal.trainer_mfu
     tp_pp = paper.AREAL_TRAIN_TP_PP[model] if mode == "partial" else (1, 1)
+    recompute = not (mode == "laminar" and cal.laminar_rollout_logprobs)
     prefill_flops = m.params * 2.0 / (tp * costs.GPU_BF16_FLOPS * cal.prefill_mfu)
     return Setup(
         mode=mode, model=model, gpus=total, trainer_gpus=trainer, rollout_gpus=rollout, tp=tp,
@@ -113,7 +114,7 @@ def paper_setup(mode: str, model: str, gpus: int, cal: Calibration | None = None
         prefill_tok_s=prefill_flops,
         prefill_sq_s=2.0 * m.layers * m.hidden / (tp * costs.GPU_BF16_FLOPS * cal.prefill_mfu),
         train_fn=lambda tok, sq, steps, g: costs.train_s(m, g, tok, sq, steps, mfu, tp_pp,
-                                                          cal.megatron_mb_tokens),
+                                                          cal.megatron_mb_tokens, recompute),
         sync_s=costs.global_sync_s(m, rollout),
         push_s=costs.actor_push_s(m),
         broadcast_s=costs.relay_broadcast_s(m, max(1, rollout // paper.GPUS_PER_MACHINE)),

@@ -148,10 +148,12 @@ def roofline_batch(curve: DecodeCurve, ctx: int, factor: float) -> int:
 
 def train_s(m: ModelSpec, gpus: int, tokens: float, sum_sq: float, n_steps: int,
             mfu: float, tp_pp: tuple[int, int] = (1, 1),
-            mb_tokens: float = float("inf")) -> float:
+            mb_tokens: float = float("inf"), recompute_logprobs: bool = True) -> float:
     """Trainer time for trajectories with `tokens` prompt+response tokens in total and
     `sum_sq` = sum of squared lengths, in `n_steps` optimizer steps. FLOPs: forward+backward
-    (6P) plus the old-log-prob forward (2P) per token, and causal attention. Each step also
+    (6P) per token, plus the old-log-prob forward (2P) when `recompute_logprobs` (the trainer
+    recomputes the behaviour or proximal log-probs instead of using the rollout's), and
+    causal attention. Each step also
     all-gathers and reduce-scatters the FSDP shards (3x the weights through every GPU's link:
     NVLink within a machine, the network across); prefetching overlaps that traffic with
     compute, so a step costs whichever is longer.
@@ -161,7 +163,8 @@ def train_s(m: ModelSpec, gpus: int, tokens: float, sum_sq: float, n_steps: int,
     tokens, cut into micro-batches of at most `mb_tokens`. m micro-batches through p stages
     take (m + p - 1) / m of the bubble-free time. Strong scaling adds data-parallel ranks,
     so each rank has fewer micro-batches and the bubble grows."""
-    flops = 8.0 * m.params * tokens + 8.0 * m.layers * m.hidden * sum_sq
+    passes = 4.0 if recompute_logprobs else 3.0  # forward = 1, backward = 2, recompute = 1
+    flops = passes * (2.0 * m.params * tokens + 2.0 * m.layers * m.hidden * sum_sq)
     compute = flops / (gpus * GPU_BF16_FLOPS * mfu)
     tp, pp = tp_pp
     compute *= pipeline_stretch(tokens / max(n_steps, 1), gpus // (tp * pp) or 1, pp, mb_tokens)

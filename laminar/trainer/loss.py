@@ -2,8 +2,10 @@
 
 Simplifications, stated: GRPO has no value model (advantages come from group normalisation and
 are shared by every token of a response); the importance ratio is taken against the behaviour
-log-probs the engine recorded at generation, with no extra correction for staleness; the KL
-term (off by default) is the k3 estimator against a frozen reference model.
+log-probs the engine recorded at generation, with no extra correction for staleness, unless
+the trainer passes recomputed proximal log-probs and behaviour weights (decoupled PPO,
+`behaviour_weights`); the KL term (off by default) is the k3 estimator against a frozen
+reference model.
 
 All functions are pure; shapes are [batch, time] with a 0/1 mask over response tokens.
 """
@@ -16,12 +18,15 @@ import torch
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.28,
                 ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
-                num_tokens: int | float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                num_tokens: int | float | None = None,
+                behaviour_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate summed over masked tokens and divided by `num_tokens` (default: the
     tokens in this batch). Pass the token count of the whole mini-batch when accumulating
     gradients over micro-batches, so the result is the token-level mean of the mini-batch.
 
     logprobs, old_logprobs, mask: [B, T]; advantages: [B] (broadcast over tokens).
+    behaviour_weights [B, T] (decoupled PPO): old_logprobs are then the proximal policy's and
+    each token's surrogate is multiplied by its weight pi_prox / pi_behaviour (no gradient).
     """
     mask = mask.to(logprobs.dtype)
     adv = advantages[:, None].to(logprobs.dtype)
@@ -29,6 +34,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     per_token = torch.maximum(unclipped, clipped)
+    if behaviour_weights is not None:
+        per_token = per_token * behaviour_weights.detach().to(per_token.dtype)
     kl = torch.zeros_like(per_token)
     if ref_logprobs is not None and kl_coef > 0:
         log_r = ref_logprobs - logprobs

@@ -5,7 +5,8 @@ Parts:
   to the positions that predict each response token;
 - `Trainer.train_step` computes group advantages, splits the batch into `mini_batches` (one
   AdamW update each; gradients accumulate over length-sorted micro-batches within one), and
-  bumps `version` once per global batch;
+  bumps `version` once per global batch; with `old_logprobs` = `recompute` or `decoupled` the
+  ratio is taken against a copy of the weights as they were when the global batch began;
 - `save_checkpoint` / `load_checkpoint` write and read model (Hugging Face format), optimizer,
   version, RNG state and any caller state (e.g. the data position), atomically.
 """
@@ -83,11 +84,15 @@ class Trainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.version = 0  # completed global batches = version of the current weights
         self._pending: list[dict[str, float]] = []  # stats of this global batch's mini-batches
+        self.last_minibatches: list[dict[str, float]] = []  # those of the last finished one
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
         self.ref_model = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.prox_model = None  # the weights at the start of this global batch (recompute modes)
+        if cfg.old_logprobs != "rollout":
+            self.prox_model = copy.deepcopy(model).eval().requires_grad_(False)
 
     def sequence_logprobs(self, model: PreTrainedModel, batch: Batch) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
@@ -104,6 +109,8 @@ class Trainer:
         """One optimizer update on whole groups; gradients accumulate over length-sorted
         micro-batches so the loss is the token-level mean of the mini-batch."""
         t0 = time.perf_counter()
+        if self.prox_model is not None and not self._pending:  # a new global batch begins
+            self.prox_model.load_state_dict(self.model.state_dict())
         for t in trajs:
             t.staleness = self.version - t.version
         adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs]).tolist()
@@ -127,6 +134,7 @@ class Trainer:
     def finish_global_batch(self) -> dict[str, float]:
         """Close the global batch: version += 1; returns the mini-batches' mean stats."""
         pending, self._pending = self._pending, []
+        self.last_minibatches = pending
         self.version += 1
         metrics = {key: sum(p[key] for p in pending) / len(pending) for key in pending[0]}
         metrics["train_s"] = sum(p["train_s"] for p in pending)
@@ -138,8 +146,20 @@ class Trainer:
         if self.ref_model is not None:
             with torch.no_grad():
                 ref = self.sequence_logprobs(self.ref_model, batch)
-        return policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.response_mask,
-                           self.cfg.eps_low, self.cfg.eps_high, ref, self.cfg.kl_coef, num_tokens)
+        old, weights, mask, extra = batch.old_logprobs, None, batch.response_mask, {}
+        if self.prox_model is not None:
+            with torch.no_grad():
+                old = self.sequence_logprobs(self.prox_model, batch)
+            if self.cfg.old_logprobs == "decoupled":
+                weights = torch.exp(old - batch.old_logprobs) * batch.response_mask
+                capped = weights > self.cfg.behaviour_weight_cap
+                mask = batch.response_mask * ~capped
+                n = batch.response_mask.sum().clamp(min=1.0)
+                extra = {"behaviour_weight": float(weights.sum() / n),
+                         "behaviour_capped": float(capped.sum() / n)}
+        loss, stats = policy_loss(logprobs, old, batch.advantages, mask, self.cfg.eps_low,
+                                  self.cfg.eps_high, ref, self.cfg.kl_coef, num_tokens, weights)
+        return loss, {**stats, **extra}
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The weights to publish: a detached view of every parameter (no copy)."""
