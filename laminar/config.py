@@ -101,6 +101,13 @@ class RolloutConfig(Section):
         "leased or waiting in the buffer untrained. Paces rollouts that outrun the trainer, so "
         "staleness stays low without discarding anything (partial mode: AReaL's eta + 1). "
         "1 would leave no room to work ahead (a synchronous pipeline).")
+    version_lag: int = Field(
+        2, ge=1, description="laminar mode: a rollout keeps starting new groups with its current "
+        "weights until its local relay holds a version this many updates newer, then stops "
+        "admitting, finishes what it has (or has it repacked) and pulls the newest, as the "
+        "paper's rollouts finish their batch before pulling. 1 = drain as soon as anything newer "
+        "arrives: the freshest samples, but a drain (ending in a small, CPU-inefficient decode "
+        "batch) after every update.")
     stream_every: int = Field(16, ge=1, description="Stream each trajectory's new tokens to the "
                               "partial response pool every this many tokens.")
     stream_interval_s: float = Field(

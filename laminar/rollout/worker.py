@@ -269,7 +269,7 @@ class RolloutWorker:
         if self.puller is None:
             return False
         newest = self.puller.newest_version()  # one small file read
-        return newest is not None and newest > self.engine.version
+        return newest is not None and newest >= self.engine.version + self.cfg.rollout.version_lag
 
     def _top_up(self) -> None:
         """Keep `batch_groups` groups in flight: ask the prompt pool for more whenever a group's

@@ -115,6 +115,9 @@ class Calibration:
     """Laminar: trajectories a rollout leases per batch = this x global batch / replicas
     (capped at 1024, §8.1), so about this many global batches are in flight. The paper's
     staleness (mostly 1-2, max 4) implies about one."""
+    version_lag: int = 1
+    """Laminar: a rollout stops admitting once its relay holds a version this many updates
+    newer than its own (the runtime's rollout.version_lag)."""
     repack_c_max: float = 0.99  # §5.2, "e.g., above 99% of total KVCache"
     repack_check_s: float = 5.0  # §5.1, "e.g., 5 seconds"
     roofline_factor: float = 2.0

@@ -34,7 +34,8 @@ PARAMS: dict[str, tuple[tuple[float, ...], tuple[str, ...]]] = {
     "trainer_update_s_per_gb": ((0.0, 0.125, 0.25, 0.5), ALL),
     "step_overhead_ms": ((0.0, 2.0, 4.0, 6.0), ALL),
     "seq_overhead_ms": ((0.0, 0.02, 0.05), ALL),
-    "laminar_rollout_logprobs": ((False,), ("laminar",)),  # a choice, not searched
+    "laminar_rollout_logprobs": ((False,), ("laminar",)),  # choices, not searched
+    "version_lag": ((1,), ("laminar",)),
     "inflight_batches": ((0.5, 0.75, 1.0), ("laminar",)),
     "partial_inflight_batches": ((0.25, 0.5), ("partial",)),
     "partial_trainer_mfu": ((0.25, 0.3, 0.35), ("partial",)),

@@ -1,7 +1,7 @@
 """laminar: trajectory-level asynchrony. Nobody waits for a batch.
 
-    rollout r:  top up to its lease cap with groups of its current version; once a newer
-                version is at its relay, stop admitting and drain (repack may take the tail),
+    rollout r:  top up to its lease cap with groups of its current version; once a version
+                `version_lag` updates newer is at its relay, stop admitting and drain (repack may take the tail),
                 then pull the newest version and top up again — one trajectory, one version
     trainer:    512 complete groups (first in, first out) -> update -> push to the master
                 relay (a short stall) -> relays broadcast down the chain in the background
@@ -38,7 +38,7 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
     pulling: set[int] = set()
 
     def draining(r: Replica) -> bool:
-        return state["at_relays"] > r.version
+        return state["at_relays"] >= r.version + cal.version_lag
 
     def top_up(r: Replica, t: float) -> None:
         """Lease whole groups of r's version while there is room and no newer version."""
