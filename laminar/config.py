@@ -179,6 +179,10 @@ class TrainerConfig(Section):
     mini_batches: int = Field(1, ge=1, description="Optimizer updates per global batch.")
     micro_batch_tokens: int = Field(2048, ge=1, description="Padded tokens per forward pass; "
                                     "gradients accumulate over micro-batches of similar length.")
+    stream_minibatches: bool = Field(
+        True, description="laminar and partial modes: train a global batch's first mini-batch "
+        "as soon as its groups are complete instead of waiting for the whole batch (the stream "
+        "schedule always does). The version still changes once per global batch.")
     total_steps: int = Field(30, ge=1, description="Global batches to train (weight versions).")
     checkpoint_every: int = Field(10, ge=0, description="Save a checkpoint every N steps (0 = only "
                                   "at the end). A trainer that dies restarts from the newest one.")

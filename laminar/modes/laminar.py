@@ -1,7 +1,8 @@
 """laminar: trajectory-level asynchrony. Nobody waits for a batch.
 
     rollouts:  lease a batch → generate → pull the newest version → lease the next  (run_free)
-    trainer:   take B complete groups → train → push to the master relay → repeat   (run)
+    trainer:   take B complete groups (a mini-batch at a time) → train → push to the master
+               relay → repeat                                                     (run)
     manager:   every interval: health checks, failover, repack the long tail
 Admission control (rollout.max_outstanding_batches) keeps rollouts that outrun the trainer from
 running ahead without bound. The driver only watches and stops everything at the end.

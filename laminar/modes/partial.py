@@ -2,7 +2,7 @@
 update reaches into every trajectory in flight.
 
     rollouts:  keep the engine topped up with new groups                        (run_free)
-    trainer:   take B complete groups → train → push v+1
+    trainer:   take B complete groups (a mini-batch at a time) → train → push v+1
     update:    every rollout aborts everything in flight, loads v+1, resumes it all with
                re-prefill (one trajectory mixes versions; each token keeps its own); the
                trainer goes on only when all have swapped (a global interrupt)
@@ -27,7 +27,7 @@ def run(cfg: Config) -> dict[str, Any]:
         loops.append(rt.manager.run.remote(repack=False))
         follower = Follower(rt, cfg)
         while version < cfg.trainer.total_steps:
-            version = follower.follow(rt.trainer.train_once.remote)["version"]  # train, push v+1
+            version = follower.follow(rt.trainer.train_next.remote)["version"]  # train, push v+1
             rt.wait({f"interrupt of {w}": h.interrupt_and_swap.remote(version)  # everyone swaps
                      for w, h in rt.workers.items()})
         return finish(rt, cfg, loops)

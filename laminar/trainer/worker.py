@@ -3,9 +3,11 @@
 `TrainerWorker` is a plain class; the runtime makes it a threaded Ray actor. It never waits
 for rollouts, only for data: `train_once` takes one global batch of complete groups (FIFO),
 records each sample's staleness, runs the GRPO update, pushes the new version to the master
-relay (returning as soon as the master holds it) and logs one metrics row. `run` repeats that
-(laminar and partial modes); the global-batch schedules call `train_once` / `train_streaming`
-themselves, which is where their waits are.
+relay (returning as soon as the master holds it) and logs one metrics row; `train_streaming`
+does the same a mini-batch at a time, each as soon as its groups are complete. `run` repeats
+`train_next` (laminar mode; partial calls `train_next` per update), which streams unless
+trainer.stream_minibatches is off; the global-batch schedules call `train_once` /
+`train_streaming` themselves, which is where their waits are.
 
 Throughput is the paper's: (prompt + response tokens of the global batch) / (time between two
 consecutive updates).
@@ -157,9 +159,15 @@ class TrainerWorker:
         groups = self.wait_groups(self.cfg.trainer.prompts_per_step)
         return self._train_and_publish([t for g in groups for t in g])
 
+    def train_next(self) -> dict[str, Any]:
+        """The free-running schedules' update: streamed by mini-batch unless
+        trainer.stream_minibatches is off."""
+        return self.train_streaming() if self.cfg.trainer.stream_minibatches else self.train_once()
+
     def train_streaming(self) -> dict[str, Any]:
-        """Stream schedule: take each mini-batch as soon as its groups are complete, one
-        optimizer update each, and bump the version at the end of the global batch."""
+        """Take each mini-batch as soon as its groups are complete, one optimizer update each,
+        and bump the version at the end of the global batch (stream schedule; laminar and
+        partial with trainer.stream_minibatches)."""
         per_mini = -(-self.cfg.trainer.prompts_per_step // self.cfg.trainer.mini_batches)
         trajs: list[Trajectory] = []
         taken = 0
@@ -175,7 +183,7 @@ class TrainerWorker:
         self.stop_event.clear()
         while self.trainer.version < total_steps and not self.stop_event.is_set():
             try:
-                self.train_once()
+                self.train_next()
             except InterruptedError:
                 break
         return self.trainer.version
