@@ -1,6 +1,7 @@
 """laminar: trajectory-level asynchrony. Nobody waits for a batch.
 
-    rollouts:  lease a batch → generate → pull the newest version → lease the next  (run_free)
+    rollouts:  top up with the current version until the local relay is rollout.version_lag
+               versions ahead → drain (or be repacked) → pull the newest → top up again (run_free)
     trainer:   take B complete groups (a mini-batch at a time) → train → push to the master
                relay → repeat                                                     (run)
     manager:   every interval: health checks, failover, repack the long tail
