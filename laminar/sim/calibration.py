@@ -60,9 +60,10 @@ class Calibration:
     one version: they are exact), as this project's trainer does, so its update is forward +
     backward (6P per token), while verl (`compute_log_prob`) and AReaL (decoupled PPO's
     proximal log-probs) recompute them with one more forward (8P). The paper does not say
-    which Laminar does. With True, the Fig. 11 fit (fit.py, its trainer constants re-searched)
-    stayed at 9 of 60 ratios outside tolerance instead of 3: the paper's numbers fit better if
-    Laminar pays the same forward, so the default gives every system the recompute."""
+    which Laminar does. With True, 18 of the 60 Fig. 11 ratios fall outside tolerance, and a
+    `fit.py --quick` search from there was at 9 after one and a half rounds (stopped), against
+    3 for False: the paper's numbers fit better if Laminar pays the same forward, so the
+    default gives every system the recompute."""
     partial_trainer_mfu: float = 0.25
     """AReaL's trainer is Megatron-LM, not FSDP (§8.1), so its MFU is its own. The paper's
     7B @ 32 point bounds it: AReaL with 16 trainer GPUs (54.9k tokens/s) stays below laminar
