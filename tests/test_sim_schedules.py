@@ -20,7 +20,7 @@ TOKENS = PROMPTS * SAMPLES * (PROMPT + LEN)  # 1920 per global batch
 GEN_S = LEN * STEP_MS / 1e3  # 0.5 s: a batch decodes in lockstep
 
 
-def toy(mode: str, **kw) -> object:
+def toy(mode: str, stream_minibatches: bool = False, **kw) -> object:
     """A setup whose answer is known by hand: flat decode curve, huge KV, free prefill,
     constant lengths, trainer time = s_per_token * tokens + per-step overhead."""
     local = dict(decode_latency_ms_by_batch={1: STEP_MS, 64: STEP_MS}, kv_capacity_tokens=10**9,
@@ -30,7 +30,8 @@ def toy(mode: str, **kw) -> object:
                  samples=SAMPLES, minibatches=1, sync_s=0.0, push_s=0.0, broadcast_s=0.0,
                  pull_s=0.0)
     local.update(kw)
-    cal = Calibration(inflight_batches=1.0, partial_inflight_batches=1.0)
+    cal = Calibration(inflight_batches=1.0, partial_inflight_batches=1.0,
+                      stream_minibatches=stream_minibatches)
     return local_setup(mode, local, cal)
 
 
@@ -78,6 +79,17 @@ def test_asynchronous_modes_are_trainer_bound_when_rollouts_are_fast(mode):
     assert period(mode, trainer_s_per_token=5e-4) == pytest.approx(TOKENS * 5e-4, rel=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["laminar", "partial"])
+def test_streamed_minibatches_keep_a_trainer_bound_period(mode):
+    """Taking each of 2 mini-batches as soon as its groups are complete trains the same
+    tokens in the same trainer time: a trainer-bound period does not change."""
+    kw = dict(trainer_s_per_token=5e-4, minibatches=2)
+    streamed = SCHEDULES[mode](toy(mode, stream_minibatches=True, **kw), 2, 3)
+    assert TOKENS / streamed.throughput == pytest.approx(TOKENS * 5e-4, rel=1e-6)
+    t = streamed.tokens
+    assert t["generated"] == t["trained"] + t["buffered"] + t["in_flight"] + t["discarded"]
+
+
 def test_laminar_trainer_pays_only_the_push_stall():
     assert period("laminar", trainer_s_per_token=5e-4, push_s=0.05) == pytest.approx(
         TOKENS * 5e-4 + 0.05)
@@ -106,9 +118,11 @@ def test_same_seed_same_result_other_seed_differs(mode):
 
 
 @pytest.mark.parametrize("mode", paper.MODES)
-def test_tokens_are_conserved(mode):
+@pytest.mark.parametrize("stream", [False, True])
+def test_tokens_are_conserved(mode, stream):
     """Every decoded token is trained, buffered, still in flight, or discarded — once."""
-    r = simulate(mode, "72b", 64, Calibration(decode_quantum=64), warmup=1, measure=1)
+    cal = Calibration(decode_quantum=64, stream_minibatches=stream)
+    r = simulate(mode, "72b", 64, cal, warmup=1, measure=1)
     t = r.tokens
     assert t["generated"] == t["trained"] + t["buffered"] + t["in_flight"] + t["discarded"]
     assert t["trained"] > 0

@@ -119,6 +119,10 @@ class Calibration:
     version_lag: int = 1
     """Laminar: a rollout stops admitting once its relay holds a version this many updates
     newer than its own (the runtime's rollout.version_lag)."""
+    stream_minibatches: bool = False
+    """laminar and partial: the trainer takes each mini-batch as soon as its groups are
+    complete (the runtime's trainer.stream_minibatches) instead of a whole global batch. Off
+    for Fig. 11: the paper's Laminar samples a whole batch."""
     repack_c_max: float = 0.99  # §5.2, "e.g., above 99% of total KVCache"
     repack_check_s: float = 5.0  # §5.1, "e.g., 5 seconds"
     roofline_factor: float = 2.0

@@ -36,6 +36,7 @@ PARAMS: dict[str, tuple[tuple[float, ...], tuple[str, ...]]] = {
     "seq_overhead_ms": ((0.0, 0.02, 0.05), ALL),
     "laminar_rollout_logprobs": ((False,), ("laminar",)),  # choices, not searched
     "version_lag": ((1,), ("laminar",)),
+    "stream_minibatches": ((False,), ("laminar", "partial")),
     "inflight_batches": ((0.5, 0.75, 1.0), ("laminar",)),
     "partial_inflight_batches": ((0.25, 0.5), ("partial",)),
     "partial_trainer_mfu": ((0.25, 0.3, 0.35), ("partial",)),

@@ -165,7 +165,8 @@ def measure(out: Path, steps: int, measured: str | None) -> dict[str, Any]:
     share = ro.batch_groups * ro.num_workers / cfg.trainer.prompts_per_step
     data = {"local": block, "inflight_batches": share, "partial_inflight_batches": share,
             "max_outstanding_batches": float(ro.max_outstanding_batches),
-            "version_lag": ro.version_lag}
+            "version_lag": ro.version_lag,
+            "stream_minibatches": cfg.trainer.stream_minibatches}
     out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {out}")
     return data

@@ -8,6 +8,8 @@
 - `GroupBuffer`: the experience buffer of the asynchronous schedules — trajectories arrive
   one by one, complete GRPO groups leave FIFO in order of completion.
 - `Waker`: keeps one pending clock event per replica (stale ones are ignored by plan id).
+- `take_for_training`: the free-running trainers' intake — a whole global batch, or with
+  `stream_minibatches` each mini-batch as soon as its groups are complete.
 """
 
 from __future__ import annotations
@@ -114,6 +116,23 @@ class GroupBuffer:
         """Every finished trajectory not yet taken (complete groups and partial ones)."""
         return ([tr for g in self.complete for tr in g]
                 + [tr for g in self._partial.values() for tr in g] + list(self.in_env.values()))
+
+
+def take_for_training(setup: Setup, buffer: GroupBuffer,
+                      taken: list[Traj]) -> tuple[list[Traj], bool, float] | None:
+    """The next piece of the current update for laminar and partial: (trajectories, whether it
+    closes the update, trainer seconds), or None if the buffer cannot supply it yet. `taken`
+    holds the trajectories this update already trained on (streamed mini-batches)."""
+    if not setup.cal.stream_minibatches:
+        batch = buffer.take(setup.prompts)
+        return None if batch is None else (batch, True, setup.train_time(batch, setup.minibatches))
+    have = len(taken) // setup.samples
+    n = min(-(-setup.prompts // setup.minibatches), setup.prompts - have)
+    part = buffer.take(n)
+    if part is None:
+        return None
+    last = have + n >= setup.prompts
+    return part, last, setup.train_time(part, 1, whole_update=last)
 
 
 class Waker:

@@ -20,7 +20,7 @@ from laminar.manager.repack import RolloutLoad, plan_repack
 from laminar.sim import costs
 from laminar.sim.core import Clock, Ledger, Setup, SimResult, finish_result
 from laminar.sim.replica import Replica
-from laminar.sim.schedules.common import GroupBuffer, Waker
+from laminar.sim.schedules.common import GroupBuffer, Waker, take_for_training
 from laminar.sim.workload import Traj
 
 
@@ -33,7 +33,8 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
         cal.inflight_batches * setup.prompts / len(replicas))))
     bound = costs.roofline_batch(setup.curve, 4096, cal.roofline_factor)
     outstanding = cal.max_outstanding_batches * setup.prompts  # in groups
-    state = {"version": 0, "at_relays": 0, "training": False, "trainer_free": 0.0, "leased": 0}
+    state = {"version": 0, "at_relays": 0, "training": False, "trainer_free": 0.0, "leased": 0,
+             "taken": [], "busy": 0.0}
     kv_prev = {r.rid: 0 for r in replicas}
     pulling: set[int] = set()
 
@@ -79,13 +80,23 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
     def maybe_train(t: float) -> None:
         if state["training"] or ledger.num_updates >= warmup + measure:
             return
-        batch = buffer.take(setup.prompts)
-        if batch is None:
+        piece = take_for_training(setup, buffer, state["taken"])
+        if piece is None:
             return
         state["training"] = True
-        start = max(t, state["trainer_free"])
-        busy = setup.train_time(batch, setup.minibatches)
-        clock.at(start + busy, updated, batch, busy)
+        part, last, busy = piece
+        clock.at(max(t, state["trainer_free"]) + busy, trained, part, last, busy)
+
+    def trained(part: list[Traj], last: bool, busy: float) -> None:
+        state["taken"] += part
+        state["busy"] += busy
+        if not last:
+            state["training"] = False
+            maybe_train(clock.now)
+            return
+        batch, busy = state["taken"], state["busy"]
+        state["taken"], state["busy"] = [], 0.0
+        updated(batch, busy)
 
     def updated(batch: list[Traj], busy: float) -> None:
         t = clock.now

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from laminar.sim.core import Clock, Ledger, Setup, SimResult, finish_result
 from laminar.sim.replica import Replica
-from laminar.sim.schedules.common import GroupBuffer, Waker
+from laminar.sim.schedules.common import GroupBuffer, Waker, take_for_training
 from laminar.sim.workload import Traj
 
 
@@ -22,7 +22,7 @@ def run(setup: Setup, warmup: int, measure: int) -> SimResult:
     replicas, work = setup.make_replicas(), setup.make_workload()
     buffer = GroupBuffer(setup.samples, clock)
     outstanding = setup.cal.max_outstanding_batches * setup.prompts  # in groups
-    state = {"version": 0, "training": False, "leased": 0}
+    state = {"version": 0, "training": False, "leased": 0, "taken": [], "busy": 0.0}
     paused: dict[int, list[Traj]] = {}  # replica id -> trajectories held during a swap
     cap = min(setup.max_running, max(setup.samples, round(
         setup.cal.partial_inflight_batches * setup.global_batch / len(replicas))))
@@ -51,12 +51,23 @@ def run(setup: Setup, warmup: int, measure: int) -> SimResult:
     def maybe_train(t: float) -> None:
         if state["training"] or ledger.num_updates >= warmup + measure:
             return
-        batch = buffer.take(setup.prompts)
-        if batch is None:
+        piece = take_for_training(setup, buffer, state["taken"])
+        if piece is None:
             return
         state["training"] = True
-        busy = setup.train_time(batch, setup.minibatches)
-        clock.at(t + busy, updated, batch, busy)
+        part, last, busy = piece
+        clock.at(t + busy, trained, part, last, busy)
+
+    def trained(part: list[Traj], last: bool, busy: float) -> None:
+        state["taken"] += part
+        state["busy"] += busy
+        if not last:
+            state["training"] = False
+            maybe_train(clock.now)
+            return
+        batch, busy = state["taken"], state["busy"]
+        state["taken"], state["busy"] = [], 0.0
+        updated(batch, busy)
 
     def updated(batch: list[Traj], busy: float) -> None:
         t = clock.now
