@@ -8,7 +8,7 @@
 - `GroupBuffer`: the experience buffer of the asynchronous schedules — trajectories arrive
   one by one, complete GRPO groups leave FIFO in order of completion.
 - `Waker`: keeps one pending clock event per replica (stale ones are ignored by plan id).
-- `take_for_training`: the free-running trainers' intake — a whole global batch, or with
+- `Intake`: the free-running trainers' intake — a whole global batch, or with
   `stream_minibatches` each mini-batch as soon as its groups are complete.
 """
 
@@ -118,21 +118,39 @@ class GroupBuffer:
                 + [tr for g in self._partial.values() for tr in g] + list(self.in_env.values()))
 
 
-def take_for_training(setup: Setup, buffer: GroupBuffer,
-                      taken: list[Traj]) -> tuple[list[Traj], bool, float] | None:
-    """The next piece of the current update for laminar and partial: (trajectories, whether it
-    closes the update, trainer seconds), or None if the buffer cannot supply it yet. `taken`
-    holds the trajectories this update already trained on (streamed mini-batches)."""
-    if not setup.cal.stream_minibatches:
-        batch = buffer.take(setup.prompts)
-        return None if batch is None else (batch, True, setup.train_time(batch, setup.minibatches))
-    have = len(taken) // setup.samples
-    n = min(-(-setup.prompts // setup.minibatches), setup.prompts - have)
-    part = buffer.take(n)
-    if part is None:
-        return None
-    last = have + n >= setup.prompts
-    return part, last, setup.train_time(part, 1, whole_update=last)
+class Intake:
+    """The free-running trainers' (laminar, partial) intake of one update: a whole global
+    batch, or with `stream_minibatches` each mini-batch as soon as its groups are complete."""
+
+    def __init__(self, setup: Setup, buffer: GroupBuffer) -> None:
+        self.setup, self.buffer = setup, buffer
+        self.taken: list[Traj] = []  # what this update has trained on so far
+        self.busy = 0.0
+
+    def take(self) -> tuple[list[Traj], bool, float] | None:
+        """The next piece: (trajectories, whether it closes the update, trainer seconds), or
+        None if the buffer cannot supply it yet."""
+        setup = self.setup
+        if not setup.cal.stream_minibatches:
+            batch = self.buffer.take(setup.prompts)
+            return None if batch is None else (batch, True, setup.train_time(batch, setup.minibatches))
+        have = len(self.taken) // setup.samples
+        n = min(-(-setup.prompts // setup.minibatches), setup.prompts - have)
+        part = self.buffer.take(n)
+        if part is None:
+            return None
+        last = have + n >= setup.prompts
+        return part, last, setup.train_time(part, 1, whole_update=last)
+
+    def trained(self, part: list[Traj], last: bool, busy: float) -> tuple[list[Traj], float] | None:
+        """Record a trained piece; at the update's last one, (its trajectories, trainer busy)."""
+        self.taken += part
+        self.busy += busy
+        if not last:
+            return None
+        done = (self.taken, self.busy)
+        self.taken, self.busy = [], 0.0
+        return done
 
 
 class Waker:

@@ -20,7 +20,7 @@ from laminar.manager.repack import RolloutLoad, plan_repack
 from laminar.sim import costs
 from laminar.sim.core import Clock, Ledger, Setup, SimResult, finish_result
 from laminar.sim.replica import Replica
-from laminar.sim.schedules.common import GroupBuffer, Waker, take_for_training
+from laminar.sim.schedules.common import GroupBuffer, Intake, Waker
 from laminar.sim.workload import Traj
 
 
@@ -28,13 +28,13 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
     clock, ledger = Clock(), Ledger()
     replicas, work = setup.make_replicas(), setup.make_workload()
     buffer = GroupBuffer(setup.samples, clock)
+    intake = Intake(setup, buffer)
     cal = setup.cal
     cap = setup.samples * max(1, min(setup.max_running // setup.samples, round(
         cal.inflight_batches * setup.prompts / len(replicas))))
     bound = costs.roofline_batch(setup.curve, 4096, cal.roofline_factor)
     outstanding = cal.max_outstanding_batches * setup.prompts  # in groups
-    state = {"version": 0, "at_relays": 0, "training": False, "trainer_free": 0.0, "leased": 0,
-             "taken": [], "busy": 0.0}
+    state = {"version": 0, "at_relays": 0, "training": False, "trainer_free": 0.0, "leased": 0}
     kv_prev = {r.rid: 0 for r in replicas}
     pulling: set[int] = set()
 
@@ -80,7 +80,7 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
     def maybe_train(t: float) -> None:
         if state["training"] or ledger.num_updates >= warmup + measure:
             return
-        piece = take_for_training(setup, buffer, state["taken"])
+        piece = intake.take()
         if piece is None:
             return
         state["training"] = True
@@ -88,15 +88,12 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
         clock.at(max(t, state["trainer_free"]) + busy, trained, part, last, busy)
 
     def trained(part: list[Traj], last: bool, busy: float) -> None:
-        state["taken"] += part
-        state["busy"] += busy
-        if not last:
+        done = intake.trained(part, last, busy)
+        if done is None:  # a streamed mini-batch; the update goes on
             state["training"] = False
             maybe_train(clock.now)
-            return
-        batch, busy = state["taken"], state["busy"]
-        state["taken"], state["busy"] = [], 0.0
-        updated(batch, busy)
+        else:
+            updated(*done)
 
     def updated(batch: list[Traj], busy: float) -> None:
         t = clock.now

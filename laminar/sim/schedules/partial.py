@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from laminar.sim.core import Clock, Ledger, Setup, SimResult, finish_result
 from laminar.sim.replica import Replica
-from laminar.sim.schedules.common import GroupBuffer, Waker, take_for_training
+from laminar.sim.schedules.common import GroupBuffer, Intake, Waker
 from laminar.sim.workload import Traj
 
 
@@ -21,8 +21,9 @@ def run(setup: Setup, warmup: int, measure: int) -> SimResult:
     clock, ledger = Clock(), Ledger()
     replicas, work = setup.make_replicas(), setup.make_workload()
     buffer = GroupBuffer(setup.samples, clock)
+    intake = Intake(setup, buffer)
     outstanding = setup.cal.max_outstanding_batches * setup.prompts  # in groups
-    state = {"version": 0, "training": False, "leased": 0, "taken": [], "busy": 0.0}
+    state = {"version": 0, "training": False, "leased": 0}
     paused: dict[int, list[Traj]] = {}  # replica id -> trajectories held during a swap
     cap = min(setup.max_running, max(setup.samples, round(
         setup.cal.partial_inflight_batches * setup.global_batch / len(replicas))))
@@ -51,7 +52,7 @@ def run(setup: Setup, warmup: int, measure: int) -> SimResult:
     def maybe_train(t: float) -> None:
         if state["training"] or ledger.num_updates >= warmup + measure:
             return
-        piece = take_for_training(setup, buffer, state["taken"])
+        piece = intake.take()
         if piece is None:
             return
         state["training"] = True
@@ -59,15 +60,12 @@ def run(setup: Setup, warmup: int, measure: int) -> SimResult:
         clock.at(t + busy, trained, part, last, busy)
 
     def trained(part: list[Traj], last: bool, busy: float) -> None:
-        state["taken"] += part
-        state["busy"] += busy
-        if not last:
+        done = intake.trained(part, last, busy)
+        if done is None:  # a streamed mini-batch; the update goes on
             state["training"] = False
             maybe_train(clock.now)
-            return
-        batch, busy = state["taken"], state["busy"]
-        state["taken"], state["busy"] = [], 0.0
-        updated(batch, busy)
+        else:
+            updated(*done)
 
     def updated(batch: list[Traj], busy: float) -> None:
         t = clock.now
