@@ -108,7 +108,7 @@ def run_mode(mode: str, steps: int, root: Path, overrides: list[str] = ()) -> di
         hist.update({int(k): v for k, v in r["staleness_hist"].items()})
     return {"throughput": throughput(rows), "curve": reward_curve(rows),
             "staleness": dict(sorted(hist.items())), "wall_s": time.perf_counter() - t0,
-            "breakdown": breakdown(rows),
+            "breakdown": breakdown(rows), "old_logprobs": cfg.trainer.old_logprobs,
             "cpu": {"wall_s": round(cpu.wall_s, 1), "seconds": cpu.seconds,
                     "per_trained_ktoken": round(sum(cpu.seconds.values()) * 1000
                                                 / sum(r["batch_tokens"] for r in rows), 3)}}
@@ -215,8 +215,7 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
     tput = {m: r["throughput"] for m, r in results.items()}
     report = {
         "workload": WORKLOAD + overrides, "steps": steps, "quick": quick,
-        "old_logprobs_by_mode": {m: bench_config(m, 1, Path("/tmp"), overrides).trainer.old_logprobs
-                                 for m in results if m in MODES},
+        "old_logprobs_by_mode": {m: r["old_logprobs"] for m, r in results.items() if "old_logprobs" in r},
         "throughput_by_mode": tput,
         "ratio_laminar_vs": {m: tput["laminar"] / v for m, v in tput.items() if m != "laminar"},
         "staleness_hist_by_mode": {m: r["staleness"] for m, r in results.items()},

@@ -119,38 +119,50 @@ class GroupBuffer:
 
 
 class Intake:
-    """The free-running trainers' (laminar, partial) intake of one update: a whole global
-    batch, or with `stream_minibatches` each mini-batch as soon as its groups are complete."""
+    """The free-running trainers' (laminar, partial) intake: a whole global batch per update,
+    or with `stream_minibatches` each mini-batch as soon as its groups are complete. `pump`
+    starts the next piece when the trainer is free; `on_update(batch, busy)` runs when the
+    last piece of an update is trained."""
 
-    def __init__(self, setup: Setup, buffer: GroupBuffer) -> None:
-        self.setup, self.buffer = setup, buffer
+    def __init__(self, setup: Setup, buffer: GroupBuffer, clock: Clock,
+                 on_update: Callable[[list[Traj], float], None]) -> None:
+        self.setup, self.buffer, self.clock, self.on_update = setup, buffer, clock, on_update
+        self.training = False
         self.taken: list[Traj] = []  # what this update has trained on so far
         self.busy = 0.0
 
-    def take(self) -> tuple[list[Traj], bool, float] | None:
-        """The next piece: (trajectories, whether it closes the update, trainer seconds), or
-        None if the buffer cannot supply it yet."""
+    def pump(self, t: float, not_before: float = 0.0) -> None:
+        """Start training the next piece at max(t, not_before) if the trainer is free and the
+        buffer can supply it."""
+        if self.training:
+            return
         setup = self.setup
-        if not setup.cal.stream_minibatches:
-            batch = self.buffer.take(setup.prompts)
-            return None if batch is None else (batch, True, setup.train_time(batch, setup.minibatches))
-        have = len(self.taken) // setup.samples
-        n = min(-(-setup.prompts // setup.minibatches), setup.prompts - have)
-        part = self.buffer.take(n)
-        if part is None:
-            return None
-        last = have + n >= setup.prompts
-        return part, last, setup.train_time(part, 1, whole_update=last)
+        if setup.cal.stream_minibatches:
+            have = len(self.taken) // setup.samples
+            n = min(-(-setup.prompts // setup.minibatches), setup.prompts - have)
+            part = self.buffer.take(n)
+            if part is None:
+                return
+            last = have + n >= setup.prompts
+            busy = setup.train_time(part, 1, whole_update=last)
+        else:
+            part = self.buffer.take(setup.prompts)
+            if part is None:
+                return
+            last, busy = True, setup.train_time(part, setup.minibatches)
+        self.training = True
+        self.clock.at(max(t, not_before) + busy, self._trained, part, last, busy)
 
-    def trained(self, part: list[Traj], last: bool, busy: float) -> tuple[list[Traj], float] | None:
-        """Record a trained piece; at the update's last one, (its trajectories, trainer busy)."""
+    def _trained(self, part: list[Traj], last: bool, busy: float) -> None:
+        self.training = False
         self.taken += part
         self.busy += busy
-        if not last:
-            return None
-        done = (self.taken, self.busy)
+        if not last:  # a streamed mini-batch: the update goes on
+            self.pump(self.clock.now)
+            return
+        batch, busy = self.taken, self.busy
         self.taken, self.busy = [], 0.0
-        return done
+        self.on_update(batch, busy)
 
 
 class Waker:

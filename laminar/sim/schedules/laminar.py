@@ -1,9 +1,11 @@
 """laminar: trajectory-level asynchrony. Nobody waits for a batch.
 
     rollout r:  top up to its lease cap with groups of its current version; once a version
-                `version_lag` updates newer is at its relay, stop admitting and drain (repack may take the tail),
-                then pull the newest version and top up again — one trajectory, one version
-    trainer:    512 complete groups (first in, first out) -> update -> push to the master
+                `version_lag` updates newer is at its relay, stop admitting and drain (repack
+                may take the tail), then pull the newest version and top up again — one
+                trajectory, one version
+    trainer:    512 complete groups (first in, first out; with stream_minibatches, each
+                mini-batch as it completes) -> update -> push to the master
                 relay (a short stall) -> relays broadcast down the chain in the background
     manager:    every 5 s and after each update, Algorithm 1 (laminar.manager.repack) moves
                 the unfinished trajectories of ramp-down rollouts to others of the same version
@@ -28,13 +30,12 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
     clock, ledger = Clock(), Ledger()
     replicas, work = setup.make_replicas(), setup.make_workload()
     buffer = GroupBuffer(setup.samples, clock)
-    intake = Intake(setup, buffer)
     cal = setup.cal
     cap = setup.samples * max(1, min(setup.max_running // setup.samples, round(
         cal.inflight_batches * setup.prompts / len(replicas))))
     bound = costs.roofline_batch(setup.curve, 4096, cal.roofline_factor)
     outstanding = cal.max_outstanding_batches * setup.prompts  # in groups
-    state = {"version": 0, "at_relays": 0, "training": False, "trainer_free": 0.0, "leased": 0}
+    state = {"version": 0, "at_relays": 0, "trainer_free": 0.0, "leased": 0}
     kv_prev = {r.rid: 0 for r in replicas}
     pulling: set[int] = set()
 
@@ -78,28 +79,13 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
         top_up(r, t)
 
     def maybe_train(t: float) -> None:
-        if state["training"] or ledger.num_updates >= warmup + measure:
-            return
-        piece = intake.take()
-        if piece is None:
-            return
-        state["training"] = True
-        part, last, busy = piece
-        clock.at(max(t, state["trainer_free"]) + busy, trained, part, last, busy)
-
-    def trained(part: list[Traj], last: bool, busy: float) -> None:
-        done = intake.trained(part, last, busy)
-        if done is None:  # a streamed mini-batch; the update goes on
-            state["training"] = False
-            maybe_train(clock.now)
-        else:
-            updated(*done)
+        if ledger.num_updates < warmup + measure:
+            intake.pump(t, state["trainer_free"])
 
     def updated(batch: list[Traj], busy: float) -> None:
         t = clock.now
         ledger.consume(t, batch, state["version"], busy)
         state["version"] += 1
-        state["training"] = False
         state["trainer_free"] = t + setup.push_s  # stall while handing off to the master
         clock.at(t + setup.push_s + setup.broadcast_s, published, state["version"])
         if outstanding != float("inf"):
@@ -143,7 +129,7 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
         # Alive while anything can still make progress: a rollout decoding, one pulling, the
         # trainer, or finished trajectories still in the reward environment (they complete
         # groups when they come back, which then lets the trainer and admission go on).
-        if not (state["training"] or pulling or buffer.in_env
+        if not (intake.training or pulling or buffer.in_env
                 or any(not r.is_idle for r in replicas)):
             raise RuntimeError(f"laminar simulation stalled at t={clock.now:.1f}s: no rollout "
                                "busy, none pulling, none in the environment and the trainer "
@@ -151,6 +137,7 @@ def run(setup: Setup, warmup: int, measure: int, repack: bool = True) -> SimResu
         clock.at(clock.now + cal.repack_check_s, periodic)
 
     waker = Waker(clock, on_replica)
+    intake = Intake(setup, buffer, clock, updated)
     for r in replicas:
         top_up(r, 0.0)
     if repack:

@@ -21,9 +21,8 @@ def run(setup: Setup, warmup: int, measure: int) -> SimResult:
     clock, ledger = Clock(), Ledger()
     replicas, work = setup.make_replicas(), setup.make_workload()
     buffer = GroupBuffer(setup.samples, clock)
-    intake = Intake(setup, buffer)
     outstanding = setup.cal.max_outstanding_batches * setup.prompts  # in groups
-    state = {"version": 0, "training": False, "leased": 0}
+    state = {"version": 0, "leased": 0}
     paused: dict[int, list[Traj]] = {}  # replica id -> trajectories held during a swap
     cap = min(setup.max_running, max(setup.samples, round(
         setup.cal.partial_inflight_batches * setup.global_batch / len(replicas))))
@@ -50,28 +49,13 @@ def run(setup: Setup, warmup: int, measure: int) -> SimResult:
         top_up(r, t)
 
     def maybe_train(t: float) -> None:
-        if state["training"] or ledger.num_updates >= warmup + measure:
-            return
-        piece = intake.take()
-        if piece is None:
-            return
-        state["training"] = True
-        part, last, busy = piece
-        clock.at(t + busy, trained, part, last, busy)
-
-    def trained(part: list[Traj], last: bool, busy: float) -> None:
-        done = intake.trained(part, last, busy)
-        if done is None:  # a streamed mini-batch; the update goes on
-            state["training"] = False
-            maybe_train(clock.now)
-        else:
-            updated(*done)
+        if ledger.num_updates < warmup + measure:
+            intake.pump(t)
 
     def updated(batch: list[Traj], busy: float) -> None:
         t = clock.now
         ledger.consume(t, batch, state["version"], busy)
         state["version"] += 1
-        state["training"] = False
         for r in replicas:  # interrupt everyone: the global point partial rollout keeps
             finished, held = r.abort_all(t)
             collect(finished, t)
@@ -91,6 +75,7 @@ def run(setup: Setup, warmup: int, measure: int) -> SimResult:
         top_up(r, t)
 
     waker = Waker(clock, on_replica)
+    intake = Intake(setup, buffer, clock, updated)
     for r in replicas:
         top_up(r, 0.0)
     clock.run(until=lambda: ledger.num_updates >= warmup + measure)
