@@ -272,3 +272,20 @@ def test_megatron_pipeline_bubble_is_1f1b_and_grows_with_strong_scaling():
     # FSDP floor); with AReaL's PP 4 they grow: fewer micro-batches per rank, more bubble.
     assert gpu_seconds(640, tp_pp) > 1.3 * gpu_seconds(64, tp_pp)
     assert gpu_seconds(64, tp_pp) > gpu_seconds(64, (1, 1))
+
+
+def test_rollout_kv_budget_per_mode_and_fixed_update_cost():
+    from laminar.sim.calibration import Calibration
+    from laminar.sim.core import paper_setup
+
+    def kv(mode: str, cal: Calibration) -> int:
+        return paper_setup(mode, "32b", 64, cal).kv_capacity
+
+    default, verl_kv = Calibration(), Calibration(async_baselines_mem_util=0.5)
+    # verl's colocated rollout always runs at verl's 0.5; the async baselines only on request
+    assert kv("sync", default) == kv("one_step", verl_kv) == kv("stream", verl_kv)
+    assert kv("one_step", default) == kv("laminar", default) > kv("sync", default)
+    assert kv("laminar", verl_kv) == kv("laminar", default)
+    gb = costs.QWEN25["32b"].weight_bytes / 1e9
+    cal = Calibration(trainer_update_s=40.0, trainer_update_s_per_gb=0.5)
+    assert paper_setup("laminar", "32b", 64, cal).update_overhead_s == pytest.approx(40 + 0.5 * gb)

@@ -36,6 +36,11 @@ class Calibration:
     colocated_mem_util: float = 0.5
     """The same for verl's colocated rollout, which shares its GPUs with the trainer's state:
     verl's default `actor_rollout_ref.rollout.gpu_memory_utilization` is 0.5."""
+    async_baselines_mem_util: float | None = None
+    """The same for the rollouts of one_step and stream, which the paper's authors built on
+    verl but on GPUs of their own. None: `gpu_mem_util`, tuned like laminar's and AReaL's. 0.5
+    would be verl's default left in place; it gives their 32B rollouts half the KV and makes
+    them generation-bound at 32B @ 32 and 64 (the alternative fit in docs/simulator.md)."""
     activation_reserve_gb: float = 2.0
     """Per-GPU memory kept for activations and CUDA graphs, outside the KV cache."""
     prefill_mfu: float = 0.5
@@ -55,6 +60,10 @@ class Calibration:
     the hand-off, optimizer bookkeeping, data loading): what more GPUs do not shrink. The
     paper's trainer-bound laminar points lose per-GPU efficiency with scale (32B: 1.3k
     tokens/s/GPU at 16 trainer GPUs, 0.96k at 128), which a fixed cost per update explains."""
+    trainer_update_s: float = 0.0
+    """Fixed trainer work per weight update in seconds, whatever the model size; added to
+    `trainer_update_s_per_gb`. 0: the Fig. 11 search does not use it. The alternative fit in
+    docs/simulator.md ("A second local minimum") uses 40 s with no per-GB part."""
     laminar_rollout_logprobs: bool = False
     """True: Laminar's trainer takes the behaviour log-probs from the rollout (one trajectory,
     one version: they are exact), as this project's trainer does, so its update is forward +

@@ -91,6 +91,15 @@ class Setup:
         return self.train_fn(tokens, sq, n_steps, gpus or self.trainer_gpus) + fixed
 
 
+def rollout_mem_util(mode: str, cal: Calibration) -> float:
+    """gpu_memory_utilization of a mode's rollout engine (its KV budget)."""
+    if mode == "sync":
+        return cal.colocated_mem_util
+    if mode in ("one_step", "stream") and cal.async_baselines_mem_util is not None:
+        return cal.async_baselines_mem_util
+    return cal.gpu_mem_util
+
+
 def paper_setup(mode: str, model: str, gpus: int, cal: Calibration | None = None,
                 seed: int = 0) -> Setup:
     """A point of the paper's Fig. 11 grid: Table 2 allocation, App. A.2 TP, §8.1 batch."""
@@ -108,9 +117,8 @@ def paper_setup(mode: str, model: str, gpus: int, cal: Calibration | None = None
         mode=mode, model=model, gpus=total, trainer_gpus=trainer, rollout_gpus=rollout, tp=tp,
         cal=cal,
         curve=costs.decode_curve(m, tp, cal.step_overhead_ms / 1e3, cal.seq_overhead_ms / 1e3),
-        kv_capacity=costs.kv_capacity_tokens(
-            m, tp, cal.colocated_mem_util if mode == "sync" else cal.gpu_mem_util,
-            cal.activation_reserve_gb),
+        kv_capacity=costs.kv_capacity_tokens(m, tp, rollout_mem_util(mode, cal),
+                                             cal.activation_reserve_gb),
         prefill_tok_s=prefill_flops,
         prefill_sq_s=2.0 * m.layers * m.hidden / (tp * costs.GPU_BF16_FLOPS * cal.prefill_mfu),
         train_fn=lambda tok, sq, steps, g: costs.train_s(m, g, tok, sq, steps, mfu, tp_pp,
@@ -121,7 +129,8 @@ def paper_setup(mode: str, model: str, gpus: int, cal: Calibration | None = None
         pull_s=costs.relay_pull_s(m),
         controller_s_per_token=(cal.controller_us_per_token / 1e6
                                 if mode in ("sync", "one_step", "stream") else 0.0),
-        update_overhead_s=cal.trainer_update_s_per_gb * m.weight_bytes / 1e9,
+        update_overhead_s=(cal.trainer_update_s
+                           + cal.trainer_update_s_per_gb * m.weight_bytes / 1e9),
         lengths=LengthDistribution.from_points(paper.FIG17_QUANTILES[model],
                                                max_len=paper.BATCH["max_response"],
                                                q_max=cal.length_max_quantile),

@@ -32,10 +32,12 @@ PARAMS: dict[str, tuple[tuple[float, ...], tuple[str, ...]]] = {
     "controller_us_per_token": ((14.0, 15.0, 16.0, 17.0), BARRIER),
     "trainer_mfu": ((0.3, 0.34, 0.38), TRAINED_FSDP),
     "trainer_update_s_per_gb": ((0.0, 0.125, 0.25, 0.5), ALL),
+    "trainer_update_s": ((0.0, 20.0, 40.0), ALL),
     "step_overhead_ms": ((0.0, 2.0, 4.0, 6.0), ALL),
     "seq_overhead_ms": ((0.0, 0.02, 0.05), ALL),
     "laminar_rollout_logprobs": ((False,), ("laminar",)),  # choices, not searched
     "version_lag": ((1,), ("laminar",)),
+    "async_baselines_mem_util": ((None,), ("one_step", "stream")),
     "stream_minibatches": ((False,), ("laminar", "partial")),
     "inflight_batches": ((0.5, 0.75, 1.0), ("laminar",)),
     "partial_inflight_batches": ((0.25, 0.5), ("partial",)),
