@@ -24,23 +24,27 @@ class Calibration:
     # --- rollout engine in the RL setting -------------------------------------------------
     step_overhead_ms: float = 0.0
     """Fixed cost added to every decode step over Fig. 4's microbenchmark (scheduler, sampler
-    with log-probs, data streaming). Chosen by the Fig. 11 search (fit.py): none. Fig. 9's
-    replica timeline would need +10 ms here and +0.15 ms per sequence, which Fig. 11's 7B
-    laminar rates rule out; see docs/simulator.md."""
-    seq_overhead_ms: float = 0.0
-    """Per running sequence per step on top of Fig. 4 (per-sequence sampling and log-prob
-    work). Chosen by the Fig. 11 search: none."""
+    with log-probs, data streaming). Chosen by the Fig. 11 search (fit.py): none."""
+    seq_overhead_ms: float = 0.01
+    """Per running sequence per step on top of Fig. 4, on every replica (per-sequence
+    sampling and log-prob work). Chosen by the Fig. 11 search: 0.01 ms."""
+    tp_seq_overhead_ms: float = 0.065
+    """Per running sequence per step, more, on replicas with TP > 1 (32B TP4, 72B TP8, the
+    baselines' 7B TP2). Fig. 9's 32B TP4 replica is more than twice as slow as Fig. 4's
+    roofline, while Fig. 11's laminar 7B TP1 rates fit Fig. 4 as it is; a per-sequence cost
+    slows the bulk of a batch but not a lone trajectory in the tail. Chosen by the Fig. 11
+    search: 0.065 ms (Fig. 9 alone would ask ~0.2 ms; docs/simulator.md)."""
     gpu_mem_util: float = 0.8
     """Fraction of GPU memory the rollout engine may use (vLLM's gpu_memory_utilization);
     the rest of the Fig. 9 fit."""
     colocated_mem_util: float = 0.5
     """The same for verl's colocated rollout, which shares its GPUs with the trainer's state:
     verl's default `actor_rollout_ref.rollout.gpu_memory_utilization` is 0.5."""
-    async_baselines_mem_util: float | None = None
+    async_baselines_mem_util: float | None = 0.5
     """The same for the rollouts of one_step and stream, which the paper's authors built on
-    verl but on GPUs of their own. None: `gpu_mem_util`, tuned like laminar's and AReaL's. 0.5
-    would be verl's default left in place; it gives their 32B rollouts half the KV and makes
-    them generation-bound at 32B @ 32 and 64 (the alternative fit in docs/simulator.md)."""
+    verl but on GPUs of their own: verl's default 0.5, left in place (chosen by the Fig. 11
+    search over None, 0.5, 0.6, 0.7). None = `gpu_mem_util`, tuned like laminar's and AReaL's.
+    At 32B it halves their rollouts' KV, which makes them generation-bound at 32B @ 32 and 64."""
     activation_reserve_gb: float = 2.0
     """Per-GPU memory kept for activations and CUDA graphs, outside the KV cache."""
     prefill_mfu: float = 0.5
@@ -86,7 +90,7 @@ class Calibration:
     no number; 32K (two maximum-length responses) was chosen by fit.py."""
 
     # --- verl-based baselines (sync, one_step, stream) -------------------------------------
-    controller_us_per_token: float = 15.0
+    controller_us_per_token: float = 14.0
     """Serial work per prompt+response token at the global barrier of the verl-based
     baselines: the single controller gathers the batch, computes rule-based rewards and packs
     mini-batches before the trainer can use them (pipelined with the trainer per mini-batch).
@@ -94,7 +98,8 @@ class Calibration:
     7B, 63.8k 32B, 58.1k 72B), i.e. a per-token cost that more GPUs do not shrink. Laminar
     and AReaL compute rewards per trajectory, off the critical path. verl starts this work
     after its barrier; one_step and stream score trajectories as they complete (see
-    schedules/). 15 us (fit.py) puts the one-step / stream plateau at 66.7k tokens/s."""
+    schedules/). 14 us (fit.py) would put the one-step / stream plateau at 71.4k tokens/s;
+    their generation tail keeps them below it."""
 
     # --- workload ---------------------------------------------------------------------------
     group_corr: float = 0.5
@@ -121,7 +126,7 @@ class Calibration:
     env_max_s: float = float("inf")
 
     # --- laminar ----------------------------------------------------------------------------
-    inflight_batches: float = 0.5
+    inflight_batches: float = 0.75
     """Laminar: trajectories a rollout leases per batch = this x global batch / replicas
     (capped at 1024, §8.1), so about this many global batches are in flight. The paper's
     staleness (mostly 1-2, max 4) implies about one."""

@@ -29,19 +29,20 @@ ALL = paper.MODES
 TRAINED_FSDP = ("laminar", "sync", "one_step", "stream")
 BARRIER = ("sync", "one_step", "stream")
 PARAMS: dict[str, tuple[tuple[float, ...], tuple[str, ...]]] = {
-    "controller_us_per_token": ((14.0, 15.0, 16.0, 17.0), BARRIER),
+    "controller_us_per_token": ((12.0, 13.0, 14.0, 15.0), BARRIER),
     "trainer_mfu": ((0.3, 0.34, 0.38), TRAINED_FSDP),
     "trainer_update_s_per_gb": ((0.0, 0.125, 0.25, 0.5), ALL),
     "trainer_update_s": ((0.0, 20.0, 40.0), ALL),
     "step_overhead_ms": ((0.0, 2.0, 4.0, 6.0), ALL),
-    "seq_overhead_ms": ((0.0, 0.02, 0.05), ALL),
+    "seq_overhead_ms": ((0.0, 0.01, 0.02, 0.05), ALL),
+    "tp_seq_overhead_ms": ((0.0, 0.05, 0.075, 0.1), ALL),
     "laminar_rollout_logprobs": ((False,), ("laminar",)),  # choices, not searched
     "version_lag": ((1,), ("laminar",)),
-    "async_baselines_mem_util": ((None,), ("one_step", "stream")),
+    "async_baselines_mem_util": ((None, 0.5, 0.6), ("one_step", "stream")),
     "stream_minibatches": ((False,), ("laminar", "partial")),
     "inflight_batches": ((0.5, 0.75, 1.0), ("laminar",)),
     "partial_inflight_batches": ((0.25, 0.5), ("partial",)),
-    "partial_trainer_mfu": ((0.25, 0.3, 0.35), ("partial",)),
+    "partial_trainer_mfu": ((0.25, 0.27, 0.3), ("partial",)),
     "megatron_mb_tokens": ((8192.0, 16384.0, 32768.0), ("partial",)),
 }
 Throughputs = dict[tuple[str, str, int], float]
