@@ -116,7 +116,9 @@ def paper_setup(mode: str, model: str, gpus: int, cal: Calibration | None = None
     return Setup(
         mode=mode, model=model, gpus=total, trainer_gpus=trainer, rollout_gpus=rollout, tp=tp,
         cal=cal,
-        curve=costs.decode_curve(m, tp, cal.step_overhead_ms / 1e3, (cal.seq_overhead_ms + cal.tp_seq_overhead_ms * (tp > 1)) / 1e3),
+        curve=costs.decode_curve(
+            m, tp, cal.step_overhead_ms / 1e3,
+            (cal.seq_overhead_ms + (cal.tp_seq_overhead_ms if tp > 1 else 0.0)) / 1e3),
         kv_capacity=costs.kv_capacity_tokens(m, tp, rollout_mem_util(mode, cal),
                                              cal.activation_reserve_gb),
         prefill_tok_s=prefill_flops,
