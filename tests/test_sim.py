@@ -282,8 +282,10 @@ def test_rollout_kv_budget_per_mode_and_fixed_update_cost():
         return paper_setup(mode, "32b", 64, cal).kv_capacity
 
     tuned, verl_kv = Calibration(async_baselines_mem_util=None), Calibration()
-    # verl's colocated rollout runs at verl's 0.5; by default one_step and stream keep it too
-    assert kv("sync", tuned) == kv("one_step", verl_kv) == kv("stream", verl_kv)
+    same = Calibration(colocated_mem_util=0.5, async_baselines_mem_util=0.5)
+    # each verl rollout has its own budget; by default one_step and stream keep verl's 0.5
+    assert kv("sync", same) == kv("one_step", same) == kv("stream", verl_kv)
+    assert kv("sync", verl_kv) < kv("one_step", verl_kv)
     assert kv("one_step", tuned) == kv("laminar", tuned) > kv("sync", tuned)
     assert kv("laminar", verl_kv) == kv("laminar", tuned)
     gb = costs.QWEN25["32b"].weight_bytes / 1e9
