@@ -291,3 +291,17 @@ def test_rollout_kv_budget_per_mode_and_fixed_update_cost():
     gb = costs.QWEN25["32b"].weight_bytes / 1e9
     cal = Calibration(trainer_update_s=40.0, trainer_update_s_per_gb=0.5)
     assert paper_setup("laminar", "32b", 64, cal).update_overhead_s == pytest.approx(40 + 0.5 * gb)
+
+
+def test_fit_cache_key_covers_fields_outside_the_search():
+    from laminar.sim.calibration import Calibration
+    from laminar.sim.fit import Evaluator
+
+    base = Calibration()
+    # a field the search does not vary still changes what is simulated: never a cache hit
+    assert Evaluator.key("sync", base) != Evaluator.key("sync", base.with_overrides(
+        colocated_mem_util=0.5))
+    # a searched field reaches only the modes it applies to
+    other = base.with_overrides(partial_trainer_mfu=0.3)
+    assert Evaluator.key("sync", base) == Evaluator.key("sync", other)
+    assert Evaluator.key("partial", base) != Evaluator.key("partial", other)

@@ -19,6 +19,7 @@ import argparse
 import math
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import fields
 
 from laminar.sim import paper
 from laminar.sim.calibration import Calibration
@@ -75,12 +76,18 @@ class Evaluator:
         self.cache: dict[tuple, Throughputs] = {}
         self.pool = ProcessPoolExecutor(jobs) if jobs > 1 else None
 
+    @staticmethod
+    def key(mode: str, cal: Calibration) -> tuple:
+        """What a mode's results depend on: the PARAMS it uses and every field outside PARAMS
+        (so a probe of, say, `colocated_mem_util` is never answered from the cache)."""
+        return (mode,) + tuple((f.name, getattr(cal, f.name)) for f in fields(cal)
+                               if f.name not in PARAMS or mode in PARAMS[f.name][1])
+
     def __call__(self, cal: Calibration) -> tuple[int, float]:
         tp: Throughputs = {}
         todo: dict[tuple, list[tuple[str, str, int]]] = {}
         for mode in ALL:
-            key = (mode,) + tuple(getattr(cal, p) for p, (_, modes) in PARAMS.items()
-                                  if mode in modes)
+            key = self.key(mode, cal)
             if key not in self.cache:
                 todo[key] = [(mode, m, g) for m, g in points()]
         runs = [(mode, m, g, cal, self.warmup, self.measure)
@@ -91,9 +98,7 @@ class Evaluator:
             self.cache[key] = {p: out[i + k] for k, p in enumerate(pts)}
             i += len(pts)
         for mode in ALL:
-            key = (mode,) + tuple(getattr(cal, p) for p, (_, modes) in PARAMS.items()
-                                  if mode in modes)
-            tp.update(self.cache[key])
+            tp.update(self.cache[self.key(mode, cal)])
         return score(tp)
 
 
