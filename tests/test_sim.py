@@ -281,7 +281,7 @@ def test_rollout_kv_budget_per_mode_and_fixed_update_cost():
     def kv(mode: str, cal: Calibration) -> int:
         return paper_setup(mode, "32b", 64, cal).kv_capacity
 
-    tuned, verl_kv = Calibration(async_baselines_mem_util=None), Calibration()
+    tuned, verl_kv = Calibration(async_baselines_mem_util=0.8), Calibration()
     same = Calibration(colocated_mem_util=0.5, async_baselines_mem_util=0.5)
     # each verl rollout has its own budget; by default one_step and stream keep verl's 0.5
     assert kv("sync", same) == kv("one_step", same) == kv("stream", verl_kv)

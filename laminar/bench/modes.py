@@ -215,7 +215,8 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
     tput = {m: r["throughput"] for m, r in results.items()}
     report = {
         "workload": WORKLOAD + overrides, "steps": steps, "quick": quick,
-        "old_logprobs_by_mode": {m: r["old_logprobs"] for m, r in results.items() if "old_logprobs" in r},
+        "old_logprobs_by_mode": {m: r["old_logprobs"] for m, r in results.items()
+                                 if "old_logprobs" in r},
         "throughput_by_mode": tput,
         "ratio_laminar_vs": {m: tput["laminar"] / v for m, v in tput.items() if m != "laminar"},
         "staleness_hist_by_mode": {m: r["staleness"] for m, r in results.items()},

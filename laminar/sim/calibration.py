@@ -43,10 +43,10 @@ class Calibration:
     (hand probe at full settings: 0.5 leaves 72B @ 128 laminar/verl at -26%, 0.45 too, 0.4
     brings it inside with no other ratio leaving). The FSDP state that stays resident beside
     the colocated engine is a plausible reason for the smaller budget; the paper gives none."""
-    async_baselines_mem_util: float | None = 0.5
+    async_baselines_mem_util: float = 0.5
     """The same for the rollouts of one_step and stream, which the paper's authors built on
     verl but on GPUs of their own: verl's default 0.5, left in place (chosen by the Fig. 11
-    search over None, 0.5, 0.6, 0.7). None = `gpu_mem_util`, tuned like laminar's and AReaL's.
+    search over 0.5, 0.6, 0.7 and `gpu_mem_util`'s 0.8, the budget of laminar's and AReaL's).
     At 32B it halves their rollouts' KV, which makes them generation-bound at 32B @ 32 and 64."""
     activation_reserve_gb: float = 2.0
     """Per-GPU memory kept for activations and CUDA graphs, outside the KV cache."""
@@ -70,7 +70,7 @@ class Calibration:
     trainer_update_s: float = 0.0
     """Fixed trainer work per weight update in seconds, whatever the model size; added to
     `trainer_update_s_per_gb`. 0: the Fig. 11 search does not use it. The alternative fit in
-    docs/simulator.md ("A second local minimum") uses 40 s with no per-GB part."""
+    docs/simulator.md ("Other calibrations tried") uses 40 s with no per-GB part."""
     laminar_rollout_logprobs: bool = False
     """True: Laminar's trainer takes the behaviour log-probs from the rollout (one trajectory,
     one version: they are exact), as this project's trainer does, so its update is forward +

@@ -95,7 +95,7 @@ def rollout_mem_util(mode: str, cal: Calibration) -> float:
     """gpu_memory_utilization of a mode's rollout engine (its KV budget)."""
     if mode == "sync":
         return cal.colocated_mem_util
-    if mode in ("one_step", "stream") and cal.async_baselines_mem_util is not None:
+    if mode in ("one_step", "stream"):
         return cal.async_baselines_mem_util
     return cal.gpu_mem_util
 

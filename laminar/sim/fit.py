@@ -39,7 +39,7 @@ PARAMS: dict[str, tuple[tuple[float, ...], tuple[str, ...]]] = {
     "tp_seq_overhead_ms": ((0.0, 0.05, 0.075, 0.1), ALL),
     "laminar_rollout_logprobs": ((False,), ("laminar",)),  # choices, not searched
     "version_lag": ((1,), ("laminar",)),
-    "async_baselines_mem_util": ((None, 0.5, 0.6), ("one_step", "stream")),
+    "async_baselines_mem_util": ((0.5, 0.6, 0.8), ("one_step", "stream")),
     "stream_minibatches": ((False,), ("laminar", "partial")),
     "inflight_batches": ((0.5, 0.75, 1.0), ("laminar",)),
     "partial_inflight_batches": ((0.25, 0.5), ("partial",)),
