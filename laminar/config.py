@@ -12,12 +12,26 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 Mode = Literal["laminar", "sync", "one_step", "stream", "partial"]
+MODES: tuple[str, ...] = get_args(Mode)  # the one list of schedules (laminar/modes/<mode>.py)
+GLOBAL_BATCH_MODES = ("sync", "one_step", "stream")  # the ones whose waits come one at a time
+
+# Keys that existed once: loading a config that still sets one says what replaced it.
+RETIRED = {
+    "trainer.stream_minibatches": "it was removed: laminar and partial always train each "
+    "mini-batch as soon as its groups are complete (stream does too); delete the key",
+    "trainer.max_staleness": "it was removed: staleness is bounded by pacing instead of by "
+    "discarding samples (which biases training toward short responses); use "
+    "rollout.max_outstanding_batches (how many global batches generation may run ahead of the "
+    "trainer, AReaL's eta + 1) and, in laminar mode, rollout.version_lag",
+    "relay.rate_limit_mbps": "it was removed: slow links are emulated by the relay benchmark "
+    "only (laminar/bench/links.py); delete the key",
+}
 
 
 class ConfigError(ValueError):
@@ -75,8 +89,9 @@ class TaskConfig(Section):
 
 class EngineConfig(Section):
     backend: Literal["hf", "native"] = Field(
-        "native", description="`hf`: static batches on transformers.generate. `native`: laminar's "
-        "continuous-batching engine.")
+        "native", description="`native`: laminar's continuous-batching engine, the one training "
+        "runs. `hf` (static batches on transformers.generate) is the baseline `laminar bench "
+        "engine` measures it against; training refuses it.")
     max_batch_size: int = Field(64, ge=1, description="Most sequences decoded together.")
     kv_capacity_tokens: int = Field(
         16384, ge=16, description="KV-cache capacity in tokens (prompt + generated, all requests).")
@@ -133,8 +148,9 @@ class RolloutConfig(Section):
 
 class ClusterConfig(Section):
     backend: Literal["ray", "local"] = Field(
-        "ray", description="`ray`: every component an actor (the real system). `local`: the sync "
-        "schedule in one process without Ray, for debugging a task or reward.")
+        "ray", description="`ray`: every component an actor (the real system). `local`: the same "
+        "components in one process without Ray, for debugging a task or reward; runs the "
+        "global-batch schedules (sync, one_step, stream).")
     address: str | None = Field(None, description="Ray cluster to join (e.g. ray://head:10001 or "
                                 "auto); unset = start an embedded local cluster.")
     virtual_nodes: int = Field(1, ge=1, description="On one machine: split the rollout workers "
@@ -144,7 +160,10 @@ class ClusterConfig(Section):
                                  "(default: enough for every actor).")
     wait_timeout_s: float = Field(300.0, gt=0.0, description="Longest any component may wait for "
                                   "another (data, weights, a step) before the run fails naming it.")
-    heartbeat_s: float = Field(2.0, gt=0.0, description="Health-check period of the manager.")
+    heartbeat_s: float = Field(
+        2.0, gt=0.0, description="Liveness period: a rollout renews its prompt leases this often, "
+        "waits this long at most for a health-check answer, and is declared dead by the manager "
+        "when it has not answered for 3 x this long.")
 
 
 class ManagerConfig(Section):
@@ -179,10 +198,6 @@ class TrainerConfig(Section):
     mini_batches: int = Field(1, ge=1, description="Optimizer updates per global batch.")
     micro_batch_tokens: int = Field(2048, ge=1, description="Padded tokens per forward pass; "
                                     "gradients accumulate over micro-batches of similar length.")
-    stream_minibatches: bool = Field(
-        True, description="laminar and partial modes: train a global batch's first mini-batch "
-        "as soon as its groups are complete instead of waiting for the whole batch (the stream "
-        "schedule always does). The version still changes once per global batch.")
     total_steps: int = Field(30, ge=1, description="Global batches to train (weight versions).")
     checkpoint_every: int = Field(10, ge=0, description="Save a checkpoint every N steps (0 = only "
                                   "at the end). A trainer that dies restarts from the newest one.")
@@ -191,8 +206,6 @@ class TrainerConfig(Section):
     threads: int = Field(2, ge=1, description="torch threads for training.")
     bf16: bool = Field(False, description="bfloat16 autocast for forward/backward (fp32 master weights).")
     resume: str | None = Field(None, description="Checkpoint directory to resume from.")
-    max_staleness: int | None = Field(None, ge=0, description="Drop (and count) groups staler "
-                                      "than this at sampling time; unset = no bound.")
     seed: int = Field(0, description="Seed of the trainer and the sampling RNG.")
 
 
@@ -226,9 +239,6 @@ class RelayConfig(Section):
     timeout_s: float = Field(5.0, gt=0.0, description="A relay that makes no progress for this "
                              "long (connect, handshake, send, ping) is declared dead and cut out.")
     transport: Literal["tcp"] = Field("tcp", description="Relay-to-relay transport.")
-    rate_limit_mbps: float = Field(0.0, ge=0.0, description="Per-connection send cap in Mbit/s "
-                                   "(stands in for a slow link in benchmarks); 0 = off.")
-
     @model_validator(mode="after")
     def _timeout_after_heartbeat(self) -> "RelayConfig":
         if self.timeout_s <= self.heartbeat_s:
@@ -243,7 +253,7 @@ class RelayConfig(Section):
 class Config(Section):
     name: str = Field("reverse", description="Run name; the default run directory is runs/<name>.")
     run_dir: str | None = Field(None, description="Where metrics and checkpoints go.")
-    mode: Mode = Field("sync", description="Schedule: laminar, sync, one_step, stream or partial.")
+    mode: Mode = Field("sync", description=f"Schedule: {', '.join(MODES)} (laminar/modes/<mode>.py).")
     model: ModelConfig = Field(default_factory=ModelConfig, description="What model to train.")
     task: TaskConfig = Field(default_factory=TaskConfig, description="Prompts and reward.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
@@ -267,13 +277,14 @@ class Config(Section):
             raise ValueError(f"rollout.max_new_tokens={self.rollout.max_new_tokens} cannot hold the "
                              f"longest reverse answer (task.reverse.max_len={rev.max_len} + EOS); "
                              f"set rollout.max_new_tokens >= {rev.max_len + 1}")
-        if self.cluster.backend == "local" and self.mode != "sync":
-            raise ValueError(f"cluster.backend=local runs only mode=sync (got mode={self.mode}); "
-                             "use cluster.backend=ray for the asynchronous schedules")
-        if self.cluster.backend == "ray" and self.rollout.engine.backend == "hf":
-            raise ValueError("rollout.engine.backend=hf runs only with cluster.backend=local: the "
-                             "runtime's rollouts stream, abort and resume, which needs the native "
-                             "engine (rollout.engine.backend=native)")
+        if self.cluster.backend == "local" and self.mode not in GLOBAL_BATCH_MODES:
+            raise ValueError(f"cluster.backend=local runs mode={' | '.join(GLOBAL_BATCH_MODES)} "
+                             f"(got mode={self.mode}, whose rollouts and trainer run at once); use "
+                             "cluster.backend=ray for it")
+        if self.rollout.engine.backend == "hf":
+            raise ValueError("rollout.engine.backend=hf is the static-batch baseline of `laminar "
+                             "bench engine`; training streams, aborts and resumes trajectories, "
+                             "which needs rollout.engine.backend=native")
         if self.cluster.virtual_nodes > self.rollout.num_workers:
             raise ValueError(f"cluster.virtual_nodes={self.cluster.virtual_nodes} exceeds "
                              f"rollout.num_workers={self.rollout.num_workers}; every virtual node "
@@ -345,7 +356,9 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         kind = e["type"]
-        if kind == "extra_forbidden":
+        if kind == "extra_forbidden" and loc in RETIRED:
+            lines.append(f"  - '{loc}': {RETIRED[loc]}")
+        elif kind == "extra_forbidden":
             lines.append(f"  - unknown key '{loc}'. {_allowed_keys_hint(e['loc'])}")
         elif kind == "missing":
             lines.append(f"  - missing key '{loc}': it is required here")

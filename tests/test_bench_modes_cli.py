@@ -11,8 +11,8 @@ from laminar.bench.cpu import CpuMeter, component
 
 
 def test_processes_are_grouped_by_component():
-    assert component(["ray::RolloutWorker.run_free()"], 10, 1) == "RolloutWorker"
-    assert component(["ray::TrainerWorker"], 10, 1) == "TrainerWorker"
+    assert component(["ray::RolloutActor.generate_groups()"], 10, 1) == "RolloutActor"
+    assert component(["ray::TrainerActor"], 10, 1) == "TrainerActor"
     assert component(["/x/ray/core/src/ray/raylet/raylet", "--raylet_socket_name=a"], 10, 1) == "ray daemons"
     assert component(["python", "train.py"], 1, 1) == "driver"
     assert component(["python", "something_else.py"], 10, 1) is None

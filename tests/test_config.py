@@ -75,6 +75,18 @@ def test_impossible_combination_is_explained():
         load_config(None, ["task.name=dataset"])
 
 
+def test_retired_keys_name_their_replacement():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["trainer.max_staleness=2", "trainer.stream_minibatches=false"])
+    msg = str(e.value)
+    assert "'trainer.max_staleness': it was removed" in msg and "rollout.max_outstanding_batches" in msg
+    assert "'trainer.stream_minibatches': it was removed" in msg
+    with pytest.raises(ConfigError, match="cluster.backend=local runs mode=sync"):
+        load_config(None, ["cluster.backend=local", "mode=laminar"])
+    with pytest.raises(ConfigError, match="needs rollout.engine.backend=native"):
+        load_config(None, ["rollout.engine.backend=hf"])
+
+
 def test_malformed_override_and_missing_file():
     with pytest.raises(ConfigError, match="key.subkey=value"):
         load_config(None, ["trainer.lr"])

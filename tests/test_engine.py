@@ -274,14 +274,16 @@ def test_abort_some_while_others_continue(model):
 
 def test_resume_with_no_budget_left_finishes_at_once(model):
     req = GenerationRequest("done", [BOS_ID, 5], SamplingParams(max_new_tokens=2),
-                            output_ids=[7, 8], logprobs=[-1.0, -2.0], version=0)
+                            output_ids=[7, 8], logprobs=[-1.0, -2.0], token_versions=[0, 0],
+                            version=0)
     engine = Engine(model, EOS_ID, PAD_ID)
     engine.add(req)
     [delta] = engine.step()
     assert delta.finish_reason == "length" and delta.token_ids == [] and req.output_ids == [7, 8]
     assert not engine.has_unfinished()
     ended = GenerationRequest("ended", [BOS_ID, 5], SamplingParams(max_new_tokens=9),
-                              output_ids=[7, EOS_ID], logprobs=[-1.0, -2.0], version=0)
+                              output_ids=[7, EOS_ID], logprobs=[-1.0, -2.0],
+                              token_versions=[0, 0], version=0)
     engine.add(ended)  # a state whose last token is EOS (aborted right after it) is done
     assert [d.finish_reason for d in engine.step()] == ["eos"] and ended.output_ids == [7, EOS_ID]
 
@@ -340,6 +342,7 @@ def test_forced_load_weights_continues_in_flight_requests(model):
     engine.load_weights(build_preset("tiny", seed=5).named_parameters(), version=1, force=True)
     engine.generate([])
     assert len(req.output_ids) == 8 and req.version == 0 and engine.version == 1
+    assert req.token_versions == [0] + [1] * 7 and req.mixes_versions  # each token's own version
 
 
 def test_kv_capacity_from_a_memory_budget(model):

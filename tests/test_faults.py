@@ -1,30 +1,41 @@
-"""Failure isolation and elasticity with real actors: a killed rollout loses nothing and does not
-stop training; rollouts join and leave a running job."""
+"""Failure isolation and elasticity with real actors: a killed rollout (SIGKILL on its process)
+loses nothing and does not stop training; rollouts join and leave a running job; a killed
+trainer or relay process is recovered from."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections import Counter
 
 import ray
 
 from laminar.config import load_config
+from laminar.modes import schedule
 from laminar.modes.common import start_weights
 from laminar.modes.driver import Follower, finish
-from laminar.runtime import Runtime
+from laminar.runtime.cluster import ClusterRuntime
 
 TINY = ["sft.enabled=false", "task.reverse.max_len=12", "rollout.max_new_tokens=13",
         "rollout.group_size=2", "rollout.num_workers=2", "cluster.virtual_nodes=2",
         "rollout.batch_groups=2", "trainer.prompts_per_step=4", "trainer.threads=1",
         "rollout.engine.max_batch_size=8", "cluster.wait_timeout_s=120",
-        "cluster.heartbeat_s=0.5", "manager.interval_s=0.2", "mode=laminar"]
+        "cluster.heartbeat_s=0.5", "manager.interval_s=0.2", "mode=laminar",
+        "rollout.max_outstanding_batches=2"]
 
 
-def _start(rt, cfg):
-    loops = [w.run_free.remote("laminar") for w in rt.workers.values()]
-    loops.append(rt.manager.run.remote(repack=True))
-    return loops, rt.trainer.run.remote(cfg.trainer.total_steps)
+def _runtime(cfg):
+    model_dir, _ = start_weights(cfg)
+    return ClusterRuntime(cfg, model_dir, 0, schedule("laminar").policy(cfg))
+
+
+def _wait(what, done, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
 
 
 def _wait_version(rt, version, timeout=120):
@@ -47,69 +58,60 @@ def _check_nothing_lost(cfg, report, steps):
 
 
 def test_a_killed_rollout_loses_nothing_and_training_goes_on(tmp_path, ray_cluster):
-    cfg = load_config(None, TINY + [f"run_dir={tmp_path}", "trainer.total_steps=5"])
-    model_dir, _ = start_weights(cfg)
-    with Runtime(cfg, model_dir, max_outstanding=8) as rt:
-        loops, training = _start(rt, cfg)
-        follower = Follower(rt, cfg)
+    cfg = load_config(None, TINY + [f"run_dir={tmp_path}", "trainer.total_steps=500"])
+    with _runtime(cfg) as rt:
+        training = rt.train("run")
+        follower = Follower(rt)
         _wait_version(rt, 1)
         victim = rt.workers["rollout0"]
-        deadline = time.monotonic() + 60
-        while ray.get(victim.snapshot.remote())["num_reqs"] == 0:  # kill it mid-generation
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        ray.kill(victim, no_restart=True)
-        assert follower.follow(lambda: rt.trainer.run.remote(cfg.trainer.total_steps),
-                               started=training) == cfg.trainer.total_steps
-        report = finish(rt, cfg, loops)
+        pid = ray.get(victim.pid.remote())
+        _wait("rollout0 to have work in flight",  # kill it mid-generation
+              lambda: ray.get(victim.snapshot.remote()).num_in_flight > 0, timeout=60)
+        os.kill(pid, signal.SIGKILL)  # the real process
+        _wait("the manager to fail rollout0 over", lambda: rt.manager_stats()["dead_workers"] == 1)
+        _wait_version(rt, len(ray.get(rt.trainer.metrics_since.remote(0))) + 2)  # training goes on
+        rt.trainer.stop.remote()
+        version = follower.follow(lambda: rt.train("run"), started=training)
+        report = finish(rt)
     manager = report["manager"]
     assert manager["dead_workers"] == 1 and manager["dead"] == ["rollout0"]
     assert manager["failover_trajectories"] > 0  # its in-flight work continued elsewhere
-    _check_nothing_lost(cfg, report, cfg.trainer.total_steps)
+    _check_nothing_lost(cfg, report, version)
 
 
 def test_rollouts_join_and_leave_a_running_job(tmp_path, ray_cluster):
     cfg = load_config(None, TINY + [f"run_dir={tmp_path}", "trainer.total_steps=500"])
-    model_dir, _ = start_weights(cfg)
-    with Runtime(cfg, model_dir, max_outstanding=8) as rt:
-        loops, training = _start(rt, cfg)
-        follower = Follower(rt, cfg)
+    with _runtime(cfg) as rt:
+        training = rt.train("run")
+        follower = Follower(rt)
         _wait_version(rt, 1)
-        wid, joined = rt.add_worker()
-        loops.append(joined.run_free.remote("laminar"))
-        deadline = time.monotonic() + 120
-        while ray.get(joined.snapshot.remote())["counters"]["finished"] == 0:
-            assert time.monotonic() < deadline, "the new rollout never finished a trajectory"
-            time.sleep(0.05)
-        ray.get(rt.manager.retire.remote("rollout0"), timeout=120)
+        wid = rt.add_worker()
+        joined = rt.workers[wid]
+        _wait("the new rollout to finish a trajectory",
+              lambda: ray.get(joined.snapshot.remote()).counters.finished > 0)
+        rt.retire_worker("rollout0")
         at_retire = len(ray.get(rt.trainer.metrics_since.remote(0)))
         _wait_version(rt, at_retire + 2)  # training goes on without rollout0
         rt.trainer.stop.remote()
-        version = follower.follow(lambda: rt.trainer.run.remote(cfg.trainer.total_steps),
-                                  started=training)
+        version = follower.follow(lambda: rt.train("run"), started=training)
         snap = ray.get(joined.snapshot.remote())
-        report = finish(rt, cfg, loops)
+        report = finish(rt)
     assert wid == "rollout2"
-    assert snap["counters"]["versions"][0] == 0 and len(snap["counters"]["versions"]) >= 2
+    assert snap.counters.versions[0] == 0 and len(snap.counters.versions) >= 2
     assert report["manager"]["retired_workers"] == 1
     _check_nothing_lost(cfg, report, version)
 
 
 def test_a_killed_trainer_restarts_from_its_checkpoint_and_loses_no_data(tmp_path, ray_cluster):
-    import os
-    import signal
-
     cfg = load_config(None, TINY + [f"run_dir={tmp_path}", "trainer.total_steps=6",
                                     "trainer.checkpoint_every=2"])
-    model_dir, _ = start_weights(cfg)
-    with Runtime(cfg, model_dir, max_outstanding=8) as rt:
-        loops, training = _start(rt, cfg)
-        follower = Follower(rt, cfg)
+    with _runtime(cfg) as rt:
+        training = rt.train("run")
+        follower = Follower(rt)
         _wait_version(rt, 3)  # a checkpoint at 2, one update after it
-        os.kill(ray.get(rt.trainer.pid.remote()), signal.SIGKILL)  # the real process
-        assert follower.follow(lambda: rt.trainer.run.remote(cfg.trainer.total_steps),
-                               started=training) == cfg.trainer.total_steps
-        report = finish(rt, cfg, loops)
+        os.kill(rt.trainer_pid(), signal.SIGKILL)  # the real process
+        assert follower.follow(lambda: rt.train("run"), started=training) == cfg.trainer.total_steps
+        report = finish(rt)
     lines = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
     restart = next(i for i, line in enumerate(lines) if line.get("event") == "trainer_restart")
     mark = lines[restart]
@@ -132,23 +134,18 @@ def test_a_killed_trainer_restarts_from_its_checkpoint_and_loses_no_data(tmp_pat
 
 
 def test_a_killed_relay_is_cut_out_and_training_goes_on(tmp_path, ray_cluster):
-    import os
-    import signal
-
     cfg = load_config(None, TINY + [f"run_dir={tmp_path}", "trainer.total_steps=30",
                                     "relay.heartbeat_s=0.2", "relay.timeout_s=2"])
-    model_dir, _ = start_weights(cfg)
-    with Runtime(cfg, model_dir, max_outstanding=8) as rt:
-        loops, training = _start(rt, cfg)
-        follower = Follower(rt, cfg)
+    with _runtime(cfg) as rt:
+        training = rt.train("run")
+        follower = Follower(rt)
         _wait_version(rt, 2)
         os.kill(rt.relays.pids["node1"], signal.SIGKILL)  # rollout1's relay, the chain's tail
-        # the driver's follow loop notices at its next relay check and repairs the chain
-        assert follower.follow(lambda: rt.trainer.run.remote(cfg.trainer.total_steps),
-                               started=training) == cfg.trainer.total_steps
+        # the manager notices at its next relay check and repairs the chain
+        assert follower.follow(lambda: rt.train("run"), started=training) == cfg.trainer.total_steps
         snap = ray.get(rt.workers["rollout1"].snapshot.remote())
-        order = list(rt.relays.plan.order)
-        report = finish(rt, cfg, loops)
-    assert order == ["node0"]
-    assert max(snap["counters"]["versions"]) >= 3  # rollout1 kept pulling new versions via node0
+        manager = rt.manager_stats()
+        report = finish(rt)
+    assert manager["chain"] == ["node0"] and manager["dead_relays"] == 1
+    assert max(snap.counters.versions) >= 3  # rollout1 kept pulling new versions via node0
     _check_nothing_lost(cfg, report, cfg.trainer.total_steps)

@@ -57,7 +57,7 @@ def test_stop_tokens_per_request_budget_and_resume():
     assert stopped.output_ids == full.output_ids[:full.output_ids.index(stop_at) + 1]
     assert stopped.finish_reason in ("stop", "eos")
     resumed = GenerationRequest("c", full.prompt_ids, greedy, output_ids=full.output_ids[:2],
-                                logprobs=full.logprobs[:2], version=0)
+                                logprobs=full.logprobs[:2], token_versions=[0, 0], version=0)
     engine.generate([resumed])
     assert resumed.output_ids == full.output_ids
     assert torch.allclose(torch.tensor(resumed.logprobs), torch.tensor(full.logprobs), atol=1e-5)

@@ -1,4 +1,5 @@
-"""The one-process sync loop end to end on the tiny model, and exact resume from a checkpoint."""
+"""The one-process runtime (`cluster.backend: local`) end to end on the tiny model: the same
+rollout loop, trainer and pools as on a cluster, and exact resume from a checkpoint."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 from laminar.config import load_config
 from laminar.metrics import read_metrics
-from laminar.modes.local_sync import run
+from laminar.modes import run_training as run
 
 SMALL = ["cluster.backend=local", "sft.enabled=false", "task.reverse.max_len=8", "rollout.max_new_tokens=9",
          "rollout.group_size=4", "trainer.prompts_per_step=4", "task.eval_prompts=8",
@@ -39,7 +40,7 @@ def test_resume_gives_the_identical_next_step(tmp_path):
     run(cfg)
     ckpt = full / "checkpoints" / "step_000002"
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    assert state["version"] == 2 and state["sampler"]["position"] == 8
+    assert state["version"] == 2 and state["prompts"]["sampler"]["position"] == 8
 
     resumed = tmp_path / "resumed"
     cfg = load_config("examples/reverse-sync.yaml",

@@ -21,7 +21,7 @@ from laminar.relay.chain import call
 from laminar.relay.transport import CHUNK, FRAME, OFFER, ROLE_FEED, LinkError, connect, make_transport
 from laminar.relay.client import Puller, Pusher
 from laminar.relay.plan import RelayInfo, build_chain, join
-from laminar.relay.process import RelayProcess
+from laminar.bench.relay_node import RelayProcess
 from laminar.relay.reader import read_latest_version
 
 SECRET = b"job-secret-for-tests"
@@ -40,9 +40,9 @@ def make_cfg(**kw) -> RelayConfig:
 
 
 @contextmanager
-def started(n: int, job: str, tmp_path: Path, cfg: RelayConfig):
+def started(n: int, job: str, tmp_path: Path, cfg: RelayConfig, rate_mbit: float = 0.0):
     with ThreadPoolExecutor(n) as pool:
-        procs = list(pool.map(lambda i: RelayProcess(f"r{i}", job, SECRET, cfg,
+        procs = list(pool.map(lambda i: RelayProcess(f"r{i}", job, SECRET, cfg, rate_mbit=rate_mbit,
                                                      log_path=tmp_path / f"r{i}.log"), range(n)))
     try:
         yield procs
@@ -114,8 +114,8 @@ def test_broadcast_down_a_chain_gives_every_relay_identical_bytes(p, job, tmp_pa
 
 def test_killing_a_middle_relay_during_a_broadcast_does_not_stop_the_others(job, tmp_path):
     # 100 Mbit/s per link: an 8 MiB version takes ~0.7 s a hop, long enough to kill r1 mid-way
-    cfg = make_cfg(rate_limit_mbps=100)
-    with started(4, job, tmp_path, cfg) as procs:
+    cfg = make_cfg()
+    with started(4, job, tmp_path, cfg, rate_mbit=100) as procs:
         plan = chain_up(procs)
         sd = state_dict(1, scale=6)
         Pusher(plan, SECRET, cfg).push(sd, 1)
@@ -146,8 +146,8 @@ def test_killing_a_middle_relay_during_a_broadcast_does_not_stop_the_others(job,
 
 
 def test_killing_the_master_elects_its_successor_and_the_next_push_succeeds(job, tmp_path):
-    cfg = make_cfg(rate_limit_mbps=100)
-    with started(3, job, tmp_path, cfg) as procs:
+    cfg = make_cfg()
+    with started(3, job, tmp_path, cfg, rate_mbit=100) as procs:
         plan = chain_up(procs)
         pusher = Pusher(plan, SECRET, cfg)
         pusher.push(state_dict(1), 1)

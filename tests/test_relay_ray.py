@@ -14,7 +14,7 @@ from laminar.config import RelayConfig
 from laminar.engine.hf import HFEngine
 from laminar.models.builder import build_preset
 from laminar.relay.client import Puller, Pusher
-from laminar.relay.relay import RelayGroup
+from laminar.runtime.relays import RelayGroup
 
 SECRET = b"ray-test-secret"
 
@@ -75,15 +75,7 @@ def test_relay_actors_broadcast_repair_and_replace_the_master(ray_cluster):
         wait_latest(ray, group.actors["c"], 3)
 
         # the master dies: the next push goes to its successor
-        ray.kill(group.actors["a"])  # asynchronous: wait until Ray reports it dead
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                ray.get(group.actors["a"].heartbeat.remote(), timeout=1)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                break
-            assert time.monotonic() < deadline, "the killed master still answers"
-            time.sleep(0.05)
+        os.kill(group.pids["a"], signal.SIGKILL)  # its sockets close with the process
         result = pusher.push(trainer_model.state_dict(), 4)
         assert (result.master, result.failed_masters) == ("c", ["a"])
         assert group.check() == ["a"] and group.master == "c"

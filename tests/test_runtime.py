@@ -12,9 +12,10 @@ import pytest
 import ray
 
 from laminar.config import load_config
-from laminar.modes import MODES, run_training
+from laminar.modes import MODES, run_training, schedule
 from laminar.modes.common import start_weights
-from laminar.runtime import Runtime, place
+from laminar.runtime.cluster import ClusterRuntime
+from laminar.runtime.placement import place
 
 TINY = ["sft.enabled=false", "task.reverse.max_len=8", "rollout.max_new_tokens=9",
         "rollout.group_size=2", "rollout.num_workers=2", "cluster.virtual_nodes=2",
@@ -65,19 +66,19 @@ def test_every_mode_reaches_n_steps_and_loses_nothing(mode, tmp_path, ray_cluste
 
 
 def test_rollout_pulls_newest_version_while_trainer_is_mid_step(tmp_path, ray_cluster):
-    cfg = load_config(None, TINY + ["mode=laminar", f"run_dir={tmp_path}"])
+    cfg = load_config(None, TINY + ["mode=sync", f"run_dir={tmp_path}"])
     model_dir, _ = start_weights(cfg)
-    with Runtime(cfg, model_dir) as rt:
+    with ClusterRuntime(cfg, model_dir, 0, schedule("sync").policy(cfg)) as rt:
         a, b = rt.workers.values()
         ray.get(a.generate_groups.remote(4))
         ray.get(rt.trainer.train_once.remote())  # version 1 is at the master relay
         busy = rt.trainer.train_once.remote()  # mid-step: waits for its next global batch
-        assert ray.get(a.pull_weights.remote(at_least=1, timeout_s=30)) == 1
-        assert ray.get(b.pull_weights.remote(at_least=1, timeout_s=30)) == 1  # other node: via chain
+        assert ray.get(a.sync_to.remote(1), timeout=30) == 1
+        assert ray.get(b.sync_to.remote(1), timeout=30) == 1  # the other node: via the chain
         ready, _ = ray.wait([busy], timeout=0)
         assert not ready  # the pulls did not need the trainer
         ray.get(b.generate_groups.remote(4))
         assert ray.get(busy, timeout=60)["version"] == 2
         time.sleep(0.1)
-        snaps = rt.worker_snapshots()
-        assert snaps["rollout0"]["counters"]["versions"] == [0, 1]
+        snaps = rt.snapshots()
+        assert snaps["rollout0"].counters.versions == [0, 1]

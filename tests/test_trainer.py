@@ -121,7 +121,7 @@ def test_train_step_records_staleness_and_bumps_version():
 
 
 def test_a_torn_audit_line_is_cut_back_to_the_last_complete_one(tmp_path):
-    from laminar.trainer.worker import drop_torn_last_line
+    from laminar.trainer.service import drop_torn_last_line
 
     path = tmp_path / "trajectories.jsonl"
     path.write_text('{"a": 1}\n{"b": 2}\n{"c": ')
@@ -133,7 +133,7 @@ def test_a_torn_audit_line_is_cut_back_to_the_last_complete_one(tmp_path):
 
 
 def test_a_torn_line_longer_than_the_read_block_is_cut_too(tmp_path):
-    from laminar.trainer.worker import drop_torn_last_line
+    from laminar.trainer.service import drop_torn_last_line
 
     path = tmp_path / "t.jsonl"
     path.write_text('{"a": 1}\n' + "x" * 50)

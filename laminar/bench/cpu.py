@@ -1,7 +1,7 @@
 """CPU seconds per component while a benchmark runs: where a shared machine's cores go.
 
 Samples every process of the embedded Ray cluster (and the driver) twice a second and groups
-their CPU time by component: Ray actors by class (`ray::RolloutWorker...` → `RolloutWorker`),
+their CPU time by component: Ray actors by class (`ray::RolloutActor...` → `RolloutActor`),
 Ray's own daemons by name, the driver as `driver`. A process that exits between samples keeps
 the CPU time of its last sample.
 """

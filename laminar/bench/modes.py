@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from laminar.config import Config, load_config
+from laminar.config import MODES, Config, load_config
 from laminar.metrics import read_metrics
 
 # The workload, the same for every schedule. Lengths follow the reverse task's default long
@@ -36,7 +36,6 @@ WORKLOAD = [
     "trainer.prompts_per_step=32", "trainer.mini_batches=2", "trainer.lr=5e-4",
     "trainer.threads=1", "rollout.threads=1",
 ]
-MODES = ("laminar", "sync", "one_step", "stream", "partial")
 # The policy objective of each schedule (trainer.old_logprobs), as in the paper's Table 3:
 # GRPO against the engine's log-probs, except partial rollout, whose trajectories mix weight
 # versions: AReaL trains them with decoupled PPO, which recomputes proximal log-probs (one
@@ -248,8 +247,8 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
         detail.add_row(m, *("-" if b[k] is None else f"{b[k]:.3g}" for k in (*BREAKDOWN, "repacks")))
     console.print(detail)
     cpu = Table(title="where the CPU goes (CPU seconds over each mode's whole run)")
-    parts = ("TrainerWorker", "RolloutWorker", "PromptPool", "ExperienceBuffer", "PartialPool",
-             "RolloutManager", "Relay", "driver", "ray daemons")
+    parts = ("TrainerActor", "RolloutActor", "PromptPool", "ExperienceBuffer", "PartialPool",
+             "ManagerActor", "Relay", "driver", "ray daemons")
     for col in ("mode", "wall s", *parts, "CPU s per 1k trained tokens"):
         cpu.add_column(col)
     for m, c in report["cpu_by_mode"].items():

@@ -19,8 +19,9 @@ Seeds: a request's draws depend only on its seed and token index (sampler.py). `
 pins them (two requests with the same seed and prompt draw the same tokens, so give each sample
 of a GRPO group its own seed, or None); without one the engine's seeded RNG picks one at `add`.
 
-Versions: `load_weights` copies tensors into the model in place and stamps its version on every
-request admitted afterwards (a request keeps the version it started with). It refuses while a
+Versions: `load_weights` copies tensors into the model in place; a request admitted afterwards
+gets its version (`request.version`, kept from then on) and every token it generates is stamped
+with the version that made it (`request.token_versions`, parallel to `output_ids`). It refuses while a
 request that already has tokens from the loaded weights is in the engine, unless forced; a forced
 swap lets in-flight requests continue on their cached keys and values.
 """
@@ -74,9 +75,10 @@ class Engine:
                              "only unfinished requests can be added or resumed")
         if not request.prompt_ids:
             raise ValueError(f"request '{rid}' has an empty prompt_ids; pass at least one token")
-        if len(request.logprobs) != len(request.output_ids):
+        if not len(request.logprobs) == len(request.token_versions) == len(request.output_ids):
             raise ValueError(f"request '{rid}' has {len(request.output_ids)} output_ids but "
-                             f"{len(request.logprobs)} logprobs; a resumed state needs one each")
+                             f"{len(request.logprobs)} logprobs and {len(request.token_versions)} "
+                             "token_versions; a resumed state needs one of each per token")
         params = request.params
         if params.max_new_tokens < 1:
             raise ValueError(f"request '{rid}': params.max_new_tokens={params.max_new_tokens} "
@@ -131,7 +133,7 @@ class Engine:
         if not rows:
             return deltas
         for seq in admitted:
-            if seq.request.version < 0:
+            if seq.request.version is None:
                 seq.request.version = self.version
         num_decode = len(rows) - len(admitted)
         decoding = rows[:num_decode]
@@ -150,11 +152,12 @@ class Engine:
     def _postprocess(self, rows: list[Sequence], tokens: list[int], logprobs: list[float]
                      ) -> list[TokenDelta]:
         deltas, finished = [], []
-        eos = self.eos_token_id
+        eos, version = self.eos_token_id, self.version
         for slot, (seq, token, logprob) in enumerate(zip(rows, tokens, logprobs)):
             request = seq.request
             request.output_ids.append(token)
             request.logprobs.append(logprob)
+            request.token_versions.append(version)
             seq.num_tokens += 1
             reason = None
             if token == eos:

@@ -81,8 +81,9 @@ class HFEngine:
                     break
             req.output_ids.extend(ids[:n])
             req.logprobs.extend(token_logprobs[row, :n].tolist())
+            req.token_versions.extend([self.version] * n)
             req.finish_reason = reason
-            if req.version < 0:
+            if req.version is None:
                 req.version = self.version
             self.num_generated_tokens += n
 

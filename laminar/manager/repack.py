@@ -3,7 +3,8 @@
     plan = plan_repack(loads, c_max=0.99, batch_bound=128)   # -> [(source_id, destination_id), ...]
 
 Parts:
-- `RolloutLoad`: what the rollout manager knows about one rollout at a check (KV in tokens).
+- `RolloutLoad`: what the rollout manager knows about one rollout at a check (KV in tokens);
+  `ramp_down_loads` builds them from the rollouts' snapshots.
 - `is_candidate`: the idleness metric (§5.2): the rollout is in its ramp-down phase (KV use fell
   since the previous check and is below C_max) and holds a few (0 < n < B) trajectories.
 - `plan_repack`: groups rollouts by weight version (a trajectory never changes version), then
@@ -22,8 +23,10 @@ The real rollout manager (an actor) and the simulator (`laminar.sim`) both call 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from laminar.types import RolloutSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,16 @@ class RolloutLoad:
     @property
     def utilization(self) -> float:
         return self.kv_used_tokens / self.kv_capacity_tokens
+
+
+def ramp_down_loads(snapshots: Iterable[RolloutSnapshot]) -> list[RolloutLoad]:
+    """The rollouts in their ramp-down, as Algorithm 1's inputs. Only a rollout that stopped
+    admitting (draining, not held, nothing waiting in its engine) is in ramp-down (Fig. 9).
+    Line 3's C_used < C_prev asks exactly that: a draining rollout admits nothing, so its KV
+    only falls (its few tails may still grow a little), and its capacity stands in for C_prev."""
+    return [RolloutLoad(s.rollout_id, s.version, s.kv_used_tokens, s.kv_capacity_tokens,
+                        s.kv_capacity_tokens, s.num_in_flight)
+            for s in snapshots if s.draining and not s.held and not s.num_waiting]
 
 
 def is_candidate(r: RolloutLoad, c_max: float, batch_bound: int) -> bool:

@@ -1,7 +1,10 @@
 """Schedules: one short file per mode over the same components (DESIGN.md §6).
 
-`laminar`, `partial`: free-running rollouts; `sync`, `one_step`, `stream`: global batches with
-a global weight sync. All run on the same runtime (laminar.runtime), engine, trainer and pools.
+Each `laminar/modes/<mode>.py` holds the schedule whole: `policy(cfg)`, the rollout side's
+decisions (when to admit, when to pull, what to do with in-flight work on a new version; see
+laminar/rollout/policy.py), and `run(rt)`, the driver: where it waits. `laminar` and `partial`
+run free; `sync`, `one_step` and `stream` deal out global batches with a global weight sync.
+All run on the same runtime (laminar/runtime/), engine, trainer and pools.
 """
 
 from __future__ import annotations
@@ -9,14 +12,23 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from laminar.config import Config
+from laminar.config import MODES, Config
 
-MODES = ("laminar", "sync", "one_step", "stream", "partial")
+__all__ = ["MODES", "run_training", "schedule"]
+
+
+def schedule(mode: str) -> Any:
+    """The module of a mode: its `policy(cfg)` and its driver `run(rt)`."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; pick one of {', '.join(MODES)}")
+    return importlib.import_module(f"laminar.modes.{mode}")
 
 
 def run_training(cfg: Config) -> dict[str, Any]:
-    if cfg.cluster.backend == "local":
-        from laminar.modes.local_sync import run
+    from laminar.modes.common import start_weights
+    from laminar.runtime import open_runtime
 
-        return run(cfg)
-    return importlib.import_module(f"laminar.modes.{cfg.mode}").run(cfg)
+    model_dir, version = start_weights(cfg)
+    mode = schedule(cfg.mode)
+    with open_runtime(cfg, model_dir, version, mode.policy(cfg)) as rt:
+        return mode.run(rt)

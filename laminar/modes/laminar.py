@@ -1,29 +1,50 @@
 """laminar: trajectory-level asynchrony. Nobody waits for a batch.
 
-    rollouts:  top up with the current version until the local relay is rollout.version_lag
-               versions ahead → drain (or be repacked) → pull the newest → top up again (run_free)
-    trainer:   take B complete groups (a mini-batch at a time) → train → push to the master
-               relay → repeat                                                     (run)
-    manager:   every interval: health checks, failover, repack the long tail
-Admission control (rollout.max_outstanding_batches) keeps rollouts that outrun the trainer from
-running ahead without bound. The driver only watches and stops everything at the end.
+    rollouts:  keep `rollout.batch_groups` groups in flight with the weights they hold, until
+               the local relay has a version `rollout.version_lag` updates newer; then admit
+               nothing, finish what is in flight (the manager may repack that tail onto a peer
+               of the same version), pull the newest version and fill up again. A trajectory
+               is generated start to finish by one version.              (Laminar, below)
+    trainer:   take B complete groups, a mini-batch at a time as they complete → train →
+               push to the master relay and go on                         (train "run")
+    manager:   every manager.interval_s: health of rollouts and relays, failover, repack
+    admission: rollouts lease only while fewer than rollout.max_outstanding_batches global
+               batches are leased or waiting untrained, so rollouts that outrun the trainer
+               pause instead of running ahead without bound
+The driver only watches and stops everything at the end.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from laminar.config import Config
-from laminar.modes.common import start_weights
 from laminar.modes.driver import Follower, finish
-from laminar.runtime import Runtime
+from laminar.rollout.policy import Decision, LoopState
 
 
-def run(cfg: Config) -> dict[str, Any]:
-    model_dir, version = start_weights(cfg)
-    bound = round(cfg.rollout.max_outstanding_batches * cfg.trainer.prompts_per_step)
-    with Runtime(cfg, model_dir, version, max_outstanding=bound) as rt:
-        loops = [w.run_free.remote("laminar") for w in rt.workers.values()]
-        loops.append(rt.manager.run.remote(repack=cfg.manager.repack))
-        Follower(rt, cfg).follow(lambda: rt.trainer.run.remote(cfg.trainer.total_steps))
-        return finish(rt, cfg, loops)
+@dataclass(frozen=True)
+class Laminar:
+    version_lag: int  # rollout.version_lag
+    max_outstanding: int | None  # groups leased or untrained the prompt pool allows
+
+    mixes_versions = False  # one trajectory, one version
+    repacks = True  # a draining rollout's tail may move to a same-version peer
+
+    def decide(self, s: LoopState) -> Decision:
+        behind = s.newest is not None and s.newest >= s.version + self.version_lag
+        if not behind:  # top up with the weights we hold
+            return Decision(lease=0 if s.held else s.free_groups)
+        # drain: start nothing (leased groups wait for the new weights), pull once empty
+        return Decision(start=False, pull=s.num_in_flight == 0 and not s.held, draining=True)
+
+
+def policy(cfg: Config) -> Laminar:
+    return Laminar(cfg.rollout.version_lag,
+                   round(cfg.rollout.max_outstanding_batches * cfg.trainer.prompts_per_step))
+
+
+def run(rt: Any) -> dict[str, Any]:
+    Follower(rt).follow(lambda: rt.train("run"))
+    return finish(rt)

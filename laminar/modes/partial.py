@@ -1,33 +1,46 @@
 """partial: partial rollout (AReaL, Kimi). Rollouts never stop for a batch, but every weight
 update reaches into every trajectory in flight.
 
-    rollouts:  keep the engine topped up with new groups                        (run_free)
+    rollouts:  keep `rollout.batch_groups` groups in flight, whatever the version; when an
+               update's global interrupt arrives: abort everything in flight, load the new
+               version, resume it all with re-prefill (one trajectory mixes versions; each
+               token keeps its own)                                      (Partial, below)
     trainer:   take B complete groups (a mini-batch at a time) → train → push v+1
-    update:    every rollout aborts everything in flight, loads v+1, resumes it all with
-               re-prefill (one trajectory mixes versions; each token keeps its own); the
-               trainer goes on only when all have swapped (a global interrupt)
+    driver:    after each update, the interrupt: every rollout swaps to v+1 before the
+               trainer goes on (a global interrupt)
     admission: at most rollout.max_outstanding_batches global batches outstanding (AReaL's eta+1)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from laminar.config import Config
-from laminar.modes.common import start_weights
 from laminar.modes.driver import Follower, finish
-from laminar.runtime import Runtime
+from laminar.rollout.policy import Decision, LoopState
 
 
-def run(cfg: Config) -> dict[str, Any]:
-    model_dir, version = start_weights(cfg)
-    bound = round(cfg.rollout.max_outstanding_batches * cfg.trainer.prompts_per_step)
-    with Runtime(cfg, model_dir, version, max_outstanding=bound) as rt:
-        loops = [w.run_free.remote("partial") for w in rt.workers.values()]
-        loops.append(rt.manager.run.remote(repack=False))
-        follower = Follower(rt, cfg)
-        while version < cfg.trainer.total_steps:
-            version = follower.follow(rt.trainer.train_next.remote)["version"]  # train, push v+1
-            rt.wait({f"interrupt of {w}": h.interrupt_and_swap.remote(version)  # everyone swaps
-                     for w, h in rt.workers.items()})
-        return finish(rt, cfg, loops)
+@dataclass(frozen=True)
+class Partial:
+    max_outstanding: int | None  # groups leased or untrained the prompt pool allows
+
+    mixes_versions = True  # interrupted work resumes on the new weights
+    repacks = False  # every rollout swaps at every update: no rollout is ever in a ramp-down
+
+    def decide(self, s: LoopState) -> Decision:
+        lease = 0 if s.held else s.free_groups
+        return Decision(lease=lease, interrupt=s.sync_ready)  # the update's interrupt
+
+
+def policy(cfg: Config) -> Partial:
+    return Partial(round(cfg.rollout.max_outstanding_batches * cfg.trainer.prompts_per_step))
+
+
+def run(rt: Any) -> dict[str, Any]:
+    follower = Follower(rt)
+    version = rt.start_version
+    while version < rt.cfg.trainer.total_steps:
+        version = follower.follow(lambda: rt.train("train_next"))["version"]  # train, push v+1
+        rt.sync_weights(version)                                             # everyone swaps
+    return finish(rt)

@@ -1,26 +1,45 @@
-"""sync: the verl schedule. Every step: all rollouts generate one global batch with version v,
+"""sync: the verl schedule. Every step all rollouts generate one global batch with version v,
 the trainer trains on it, every rollout loads v+1. Nothing overlaps; the slowest trajectory of
 the batch holds everyone, and every trajectory has staleness 0.
+
+    rollouts:  generate exactly the groups the driver deals out, with the weights they hold;
+               load new weights only at the driver's global sync      (GlobalBatch, below)
+    driver:    generate(B) → wait → train → sync(v+1) → repeat          (run, below)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from laminar.config import Config
-from laminar.modes import batches
-from laminar.modes.common import start_weights
 from laminar.modes.driver import Follower, finish
-from laminar.runtime import Runtime
+from laminar.rollout.policy import Decision, LoopState
 
 
-def run(cfg: Config) -> dict[str, Any]:
-    model_dir, version = start_weights(cfg)
-    B = cfg.trainer.prompts_per_step
-    with Runtime(cfg, model_dir, version) as rt:
-        follower = Follower(rt, cfg)
-        while version < cfg.trainer.total_steps:
-            batches.wait(rt, batches.generate(rt, B), "generation")   # all rollouts, version v
-            version = follower.follow(rt.trainer.train_once.remote)["version"]  # trainer: v -> v+1
-            batches.sync_weights(rt, version)                         # everyone loads v+1
-        return finish(rt, cfg, [])
+@dataclass(frozen=True)
+class GlobalBatch:
+    """The rollout side of every global-batch schedule (sync, one_step, stream)."""
+
+    mixes_versions = False  # a trajectory is generated start to finish by one version
+    repacks = False  # a batch is never split across versions, so there is nothing to repack
+    max_outstanding: int | None = None  # the driver deals out exactly one batch at a time
+
+    def decide(self, s: LoopState) -> Decision:
+        if s.sync_ready:  # the global sync's version is here: load it (between batches: idle)
+            return Decision(pull=True)
+        return Decision(lease=s.num_requested)  # only what the driver asked for
+
+
+def policy(cfg: Config) -> GlobalBatch:
+    return GlobalBatch()
+
+
+def run(rt: Any) -> dict[str, Any]:
+    follower = Follower(rt)
+    version, total = rt.start_version, rt.cfg.trainer.total_steps
+    while version < total:
+        rt.wait(rt.generate(rt.cfg.trainer.prompts_per_step), "generation")  # all rollouts, v
+        version = follower.follow(lambda: rt.train("train_once"))["version"]  # trainer: v -> v+1
+        rt.sync_weights(version)                                              # everyone loads v+1
+    return finish(rt)

@@ -6,9 +6,9 @@
 - `sample` takes complete groups by a pluggable policy, FIFO by completion by default.
 - Groups released to the trainer stay held until it acknowledges a checkpoint (`ack`); if it
   dies, `requeue_unacked` gives them back, so a trainer crash loses no data.
-- An optional max-staleness filter drops groups with a sample older than the bound at
-  sampling time; drops are counted and reported, never silent. Admission control (pacing the
-  rollouts) is the better tool — dropping biases training toward short responses.
+- Nothing is ever dropped for being stale: staleness is bounded by pacing the rollouts
+  (admission control at the prompt pool), since dropping biases training toward short
+  responses.
 Pure; the runtime hosts it in a Ray actor.
 """
 
@@ -32,15 +32,11 @@ class BufferStats:
     puts: int = 0
     duplicates: int = 0  # retried puts ignored
     groups_released: int = 0
-    dropped_groups: int = 0  # by the staleness filter
-    dropped_trajectories: int = 0
 
 
 class ExperienceBuffer:
-    def __init__(self, group_size: int, max_staleness: int | None = None,
-                 policy: SamplingPolicy = fifo) -> None:
+    def __init__(self, group_size: int, policy: SamplingPolicy = fifo) -> None:
         self.group_size = group_size
-        self.max_staleness = max_staleness
         self.policy = policy
         self.seen: set[str] = set()  # every trajectory id ever put
         self.filling: dict[str, list[Trajectory]] = {}  # group id -> samples so far
@@ -71,8 +67,6 @@ class ExperienceBuffer:
 
     def sample(self, num_groups: int, trainer_version: int) -> list[list[Trajectory]] | None:
         """`num_groups` complete groups, or None (nothing taken) if fewer are ready."""
-        if self.max_staleness is not None:
-            self._drop_stale(trainer_version)
         if len(self.complete) < num_groups:
             return None
         picks = sorted(self.policy(self.complete, num_groups, trainer_version))
@@ -98,16 +92,6 @@ class ExperienceBuffer:
         self.stats.groups_released -= n
         self.unacked = []
         return n
-
-    def _drop_stale(self, trainer_version: int) -> None:
-        keep = []
-        for group in self.complete:
-            if max(trainer_version - t.version for t in group) > self.max_staleness:
-                self.stats.dropped_groups += 1
-                self.stats.dropped_trajectories += len(group)
-            else:
-                keep.append(group)
-        self.complete = keep
 
     def group_ids(self) -> set[str]:
         return set(self.filling) | {g[0].group_id for g in self.complete}

@@ -9,17 +9,16 @@ continues. Pure; the runtime hosts it in a Ray actor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from laminar.types import GenerationRequest, PromptGroup
 
 
 @dataclass(slots=True)
 class PartialEntry:
-    request: GenerationRequest  # prompt ids, tokens and log-probs so far, version
+    request: GenerationRequest  # prompt ids, tokens, log-probs and their versions so far
     group: PromptGroup  # the prompt (and reference answer) the sample belongs to
     owner: str  # rollout generating it now
-    token_versions: list[int] = field(default_factory=list)  # `partial` mode: version per token
 
 
 @dataclass(slots=True)
@@ -29,7 +28,7 @@ class TokenUpdate:
     traj_id: str
     token_ids: list[int]
     logprobs: list[float]
-    version: int  # the version that generated these tokens
+    token_versions: list[int]  # the version that generated each of them
 
 
 class PartialPool:
@@ -38,10 +37,7 @@ class PartialPool:
 
     def register(self, owner: str, group: PromptGroup, requests: list[GenerationRequest]) -> None:
         for req in requests:
-            self.entries[req.request_id] = PartialEntry(
-                GenerationRequest(req.request_id, list(req.prompt_ids), req.params,
-                                  list(req.output_ids), list(req.logprobs), req.version),
-                group, owner, [req.version] * len(req.output_ids))
+            self.entries[req.request_id] = PartialEntry(_copy(req), group, owner)
 
     def register_many(self, owner: str, groups: list[tuple[PromptGroup, list[GenerationRequest]]]) -> None:
         for group, requests in groups:
@@ -55,11 +51,12 @@ class PartialPool:
             entry = self.entries.get(u.traj_id)
             if entry is None or entry.owner != owner:
                 continue
-            entry.request.output_ids.extend(u.token_ids)
-            entry.request.logprobs.extend(u.logprobs)
-            entry.token_versions.extend([u.version] * len(u.token_ids))
-            if entry.request.version < 0:
-                entry.request.version = u.version
+            req = entry.request
+            req.output_ids.extend(u.token_ids)
+            req.logprobs.extend(u.logprobs)
+            req.token_versions.extend(u.token_versions)
+            if req.version is None and u.token_versions:
+                req.version = u.token_versions[0]
             applied += 1
         return applied
 
@@ -80,14 +77,16 @@ class PartialPool:
                 continue
             entry.owner = owner
             if states is not None:
-                new = states[i]
-                extra = len(new.output_ids) - len(entry.request.output_ids)
-                entry.token_versions.extend([new.version] * max(0, extra))
-                entry.request = GenerationRequest(new.request_id, list(new.prompt_ids), new.params,
-                                                  list(new.output_ids), list(new.logprobs), new.version)
+                entry.request = _copy(states[i])
 
     def group_ids(self) -> set[str]:
         return {e.group.group_id for e in self.entries.values()}
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+def _copy(req: GenerationRequest) -> GenerationRequest:
+    """The pool's own record: the rollout's request object keeps growing in its engine."""
+    return GenerationRequest(req.request_id, list(req.prompt_ids), req.params, list(req.output_ids),
+                             list(req.logprobs), list(req.token_versions), req.version)

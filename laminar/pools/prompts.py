@@ -97,13 +97,6 @@ class PromptPool:
             if who == owner:
                 self.leases[gid] = (group, who, now + self.lease_timeout_s)
 
-    def transfer(self, group_ids: list[str], owner: str, now: float | None = None) -> None:
-        """Hand leases to another owner (their trajectories moved there)."""
-        now = time.monotonic() if now is None else now
-        for gid in group_ids:
-            if gid in self.leases:
-                self.leases[gid] = (self.leases[gid][0], owner, now + self.lease_timeout_s)
-
     def complete(self, group_id: str) -> bool:
         """Every sample of the group reached the experience buffer; False if not leased."""
         if self.leases.pop(group_id, None) is None:
@@ -124,7 +117,8 @@ class PromptPool:
         return back
 
     def expired_owners(self, now: float | None = None) -> set[str]:
-        """Owners with a lease past its deadline (they stopped renewing: presumed dead)."""
+        """Owners with a lease past its deadline: they stopped renewing. The rollout manager
+        asks every health check and fails over (or releases) any of them."""
         now = time.monotonic() if now is None else now
         return {who for _, who, deadline in self.leases.values() if deadline < now}
 

@@ -244,11 +244,12 @@ class Puller:
         snap = self.reader.open_latest(newer_than)
         return PulledVersion(snap) if snap is not None else None
 
-    def pull_latest(self, target: Any, newer_than: int | None = -1) -> int | None:
-        """Copy the newest version into `target` if it is newer than what this puller last
-        delivered (or than `newer_than`; None = always). `target` is an engine with
-        `load_weights(named_tensors, version)` or a torch module. Returns the version, or None."""
-        floor = self.version if newer_than == -1 else newer_than
+    def pull_latest(self, target: Any, newer_than: int | None = None, force: bool = False) -> int | None:
+        """Copy the newest version into `target` if it is newer than `newer_than` (default: than
+        what this puller last delivered); `force` copies it in any case. `target` is an engine
+        with `load_weights(named_tensors, version)` or a torch module. Returns the version, or
+        None when nothing newer is there."""
+        floor = None if force else newer_than if newer_than is not None else self.version
         pulled = self.open_latest(floor)
         if pulled is None:
             return None

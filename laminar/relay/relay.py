@@ -10,24 +10,18 @@ Parts:
 - Control (the same methods over the TCP control channel or as Ray actor methods): `set_plan`,
   `publish` (master: write a state dict into the store; returns once it is there),
   `reserve` / `commit` (a trainer on this machine writes the version into a slot itself),
-  `latest`, `heartbeat`,
-  `send_to` (push the newest version to given relays one after the other: the star baseline
-  and an explicit catch-up), `stop`.
-- `RelayActor` / `start_relay_actor` / `RelayGroup`: the Ray edge. One actor per node, a
-  group that builds the plan, watches heartbeats, repairs the chain and replaces the master.
-- `main`: `python -m laminar.relay.relay --id r0 --job J` runs a relay as a plain process
-  (the benchmark starts relays inside network namespaces this way).
+  `latest`, `heartbeat`, `stop`.
+
+The Ray edge (one actor per node, the group that starts, heartbeats and repairs them) is
+laminar/runtime/relays.py; relays as plain OS processes, for tests and the benchmark, are
+laminar/bench/relay_node.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
-import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -36,10 +30,10 @@ from typing import Any
 
 from laminar.config import RelayConfig
 from laminar.relay.chain import Inbox, feed_version, serve_feed, serve_requests
-from laminar.relay.plan import ChainPlan, RelayInfo, choose_master, repair
-from laminar.relay.store import WeightStore, cleanup
-from laminar.relay.transport import (PING, ROLE_CONTROL, ROLE_FEED, LinkError, connect, handshake_server,
-                                     make_transport)
+from laminar.relay.plan import ChainPlan, RelayInfo, repair
+from laminar.relay.store import WeightStore
+from laminar.relay.transport import (PING, ROLE_CONTROL, ROLE_FEED, LinkError, Transport, connect,
+                                     handshake_server, make_transport)
 from laminar.relay.version import VersionHeader
 
 log = logging.getLogger("laminar.relay")
@@ -63,12 +57,16 @@ HISTORY = 16  # versions whose completion times a heartbeat reports
 
 class Relay:
     """One relay. Starts listening and forwarding on construction; `stop()` ends it and
-    removes its shared memory."""
+    removes its shared memory. `transport`: another than relay.transport's (the benchmark's
+    throttled links)."""
 
-    def __init__(self, relay_id: str, job: str, secret: bytes, cfg: RelayConfig | None = None) -> None:
+    OPS = ("set_plan", "reserve", "commit", "latest", "heartbeat", "stop")  # control requests
+
+    def __init__(self, relay_id: str, job: str, secret: bytes, cfg: RelayConfig | None = None,
+                 transport: Transport | None = None) -> None:
         self.cfg = cfg = cfg or RelayConfig()
         self.id, self.job, self.secret = relay_id, job, secret
-        self.transport = make_transport(cfg.transport, cfg.timeout_s, cfg.rate_limit_mbps)
+        self.transport = transport or make_transport(cfg.transport, cfg.timeout_s)
         self.store = WeightStore(cfg.shm_dir, segment_prefix(job, relay_id), cfg.keep_versions)
         self.listener = self.transport.listen(cfg.host, cfg.port_range)
         host, port = self.listener.address
@@ -143,28 +141,6 @@ class Relay:
                 "forwarded_at": {str(v): t for v, t in self.forwarded_at.items()},
                 "failures": list(self.failures), "held": self.store.held_versions()}
 
-    def send_to(self, targets: list[Mapping[str, Any]], version: int | None = None) -> list[float]:
-        """Send a complete version to each target relay in turn (not down the chain); returns
-        when each target held it, in seconds from the start. The star baseline."""
-        buf = self.store.latest() if version is None else self.store.get(version)
-        if buf is None or not buf.is_complete:
-            raise ValueError(f"relay {self.id} has no complete version {version} to send")
-        buf = self.store.pin(buf.version)
-        start, done = time.perf_counter(), []
-        try:
-            for t in targets:
-                info = RelayInfo.from_dict(t)
-                link = connect(self.transport, info.address, self.secret, ROLE_FEED)
-                try:
-                    feed_version(link, Inbox(link), buf, self.cfg.timeout_s,
-                                 heartbeat_s=self.cfg.heartbeat_s)
-                finally:
-                    link.close()
-                done.append(time.perf_counter() - start)
-        finally:
-            self.store.unpin(buf)
-        return done
-
     def stop(self) -> None:
         if self._stop.is_set():
             return
@@ -198,7 +174,7 @@ class Relay:
             link.close()
 
     def _handle(self, op: str, args: dict[str, Any]) -> Any:
-        if op not in ("set_plan", "reserve", "commit", "latest", "heartbeat", "send_to", "stop"):
+        if op not in self.OPS:
             raise ValueError(f"unknown relay request '{op}'")
         if op == "stop":
             threading.Thread(target=self.stop, daemon=True).start()
@@ -283,119 +259,3 @@ def _record(times: dict[int, float], version: int, t: float) -> None:
     times[version] = t
     for v in sorted(times)[:-HISTORY]:
         del times[v]
-
-
-# ---------------------------------------------------------------------------------------------
-# Ray edge
-
-
-def start_relay_actor(relay_id: str, job: str, secret: bytes, cfg: RelayConfig | None = None,
-                      **options: Any) -> Any:
-    """One relay actor (pass e.g. scheduling_strategy to pin it to a node). The actor is
-    threaded so heartbeats are answered while a publish is running."""
-    import ray
-
-    actor_cls = ray.remote(Relay)
-    opts = {"num_cpus": 0, "max_concurrency": 8, **options}
-    return actor_cls.options(**opts).remote(relay_id, job, secret, cfg)
-
-
-class RelayGroup:
-    """The relays of one job: started as Ray actors, chained, watched, repaired.
-
-    The manager (or a test) calls `check()` periodically; it pings every relay, cuts the dead
-    ones out of the plan (a dead master's successor becomes master) and sends the new plan to
-    the live ones. Relays also repair their own link at once when their successor dies, so
-    `check()` only has to make the plans agree."""
-
-    def __init__(self, ids: list[str], job: str, secret: bytes, cfg: RelayConfig | None = None,
-                 options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-        import ray
-
-        self.job, self.secret, self.cfg = job, secret, cfg or RelayConfig()
-        self.actors = {i: start_relay_actor(i, job, secret, self.cfg, **dict((options or {}).get(i, {})))
-                       for i in ids}
-        infos = ray.get([self.actors[i].heartbeat.remote() for i in ids], timeout=60)
-        self.infos = {h["id"]: RelayInfo.from_dict(h["info"]) for h in infos}
-        self.pids = {h["id"]: h["pid"] for h in infos}
-        self.plan = ChainPlan(tuple(ids), self.infos, 1)
-        self._broadcast_plan()
-
-    @property
-    def master(self) -> str | None:
-        return self.plan.master
-
-    def check(self) -> list[str]:
-        """Heartbeat every relay in the plan; returns the ids found dead (and repairs)."""
-        import ray
-
-        ids = list(self.plan.order)
-        refs = [self.actors[i].heartbeat.remote() for i in ids]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.timeout_s)
-        dead = []
-        for i, ref in zip(ids, refs):
-            try:
-                if ref not in ready:
-                    raise TimeoutError(f"no heartbeat within {self.cfg.timeout_s}s")
-                ray.get(ref)
-            except Exception:  # actor died or hangs: both mean cut it out
-                dead.append(i)
-        for i in dead:
-            self.plan = repair(self.plan, i)
-        if dead:
-            log.warning("relays %s are gone; chain is now %s", dead, list(self.plan.order))
-            self._broadcast_plan()
-        return dead
-
-    def choose_master(self, dead: list[str]) -> str | None:
-        return choose_master(self.plan, dead)
-
-    def shutdown(self) -> None:
-        import ray
-
-        for i, actor in self.actors.items():
-            try:
-                ray.get(actor.stop.remote(), timeout=self.cfg.timeout_s)
-            except Exception:
-                pass  # already dead: its files are removed below
-            ray.kill(actor)
-            cleanup(self.cfg.shm_dir, segment_prefix(self.job, i))
-
-    def _broadcast_plan(self) -> None:
-        import ray
-
-        refs = [self.actors[i].set_plan.remote(self.plan.to_dict()) for i in self.plan.order]
-        ray.wait(refs, num_returns=len(refs), timeout=self.cfg.timeout_s)
-
-
-# ---------------------------------------------------------------------------------------------
-# Plain process
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m laminar.relay.relay",
-                                description="Run one relay as a plain process. The job secret is "
-                                "read from the environment variable named by relay.secret_env.")
-    p.add_argument("--id", required=True)
-    p.add_argument("--job", required=True)
-    p.add_argument("--config", default="{}", help="RelayConfig fields as JSON")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = RelayConfig.model_validate(json.loads(args.config))
-    secret = os.environ.get(cfg.secret_env)
-    if not secret:
-        print(f"relay: environment variable {cfg.secret_env} (relay.secret_env) holds no job "
-              "secret", file=sys.stderr)
-        return 2
-    relay = Relay(args.id, args.job, secret.encode(), cfg)
-    stopped = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-    print(json.dumps(relay.info.to_dict()), flush=True)
-    while not stopped.is_set() and not relay._stop.is_set():
-        stopped.wait(0.2)
-    relay.stop()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,9 +6,8 @@ Parts:
 - `Link` / `Listener` / `Transport`: the small interface the relay needs (send a frame, send a
   chunk straight from a version's slot, read a frame header, read a payload straight into a
   buffer). `TcpTransport` implements it; `make_transport` is the factory where an RDMA
-  transport (UCX) would be added.
-- `TokenBucket`: a per-connection rate limiter, standing in for slow links in benchmarks where
-  network namespaces are not available.
+  transport (UCX) would be added. (The relay benchmark's throttled links subclass it:
+  laminar/bench/links.py.)
 - `handshake_client` / `handshake_server` / `connect`: mutual HMAC-SHA256 challenge-response
   with the job secret. A peer that fails it is logged and closed before any frame is read.
 """
@@ -22,7 +21,6 @@ import os
 import socket
 import struct
 import threading
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,7 +35,6 @@ FRAME = struct.Struct("!BIqIQ")
 MAX_META_BYTES = 256 << 20  # an OFFER's header or a REQUEST is never larger than this
 HELLO = b"LMR1"
 ROLE_FEED, ROLE_CONTROL = b"F", b"C"
-SLICE = 256 << 10  # rate-limited sends go out in slices of this size
 
 
 class LinkError(ConnectionError):
@@ -121,9 +118,9 @@ class Transport(ABC):
     def connect(self, address: tuple[str, int]) -> Link: ...
 
 
-def make_transport(name: str, timeout_s: float, rate_limit_mbps: float = 0.0) -> Transport:
+def make_transport(name: str, timeout_s: float) -> Transport:
     if name == "tcp":
-        return TcpTransport(timeout_s, rate_limit_mbps * 1e6 / 8)
+        return TcpTransport(timeout_s)
     raise ValueError(f"relay.transport='{name}' is not available; use 'tcp'")
 
 
@@ -131,43 +128,18 @@ def make_transport(name: str, timeout_s: float, rate_limit_mbps: float = 0.0) ->
 # TCP
 
 
-class TokenBucket:
-    """Caps the bytes per second of one connection (the in-transport rate limiter that stands
-    in for a slow link when network namespaces are not available)."""
-
-    def __init__(self, rate: float, burst: float) -> None:
-        self.rate, self.burst = rate, burst
-        self.tokens, self.stamp = burst, time.perf_counter()
-
-    def consume(self, n: int) -> None:
-        now = time.perf_counter()
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        self.tokens -= n
-        if self.tokens < 0:
-            time.sleep(-self.tokens / self.rate)
-
-
 class TcpLink(Link):
-    def __init__(self, sock: socket.socket, timeout_s: float, rate: float = 0.0) -> None:
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(timeout_s)
         self.sock = sock
         self.peer = "%s:%s" % sock.getpeername()[:2]
-        self._bucket = TokenBucket(rate, max(rate * 0.01, 2 * SLICE)) if rate > 0 else None
         self._send_lock = threading.Lock()
 
     def send_raw(self, data: bytes | memoryview) -> None:
         try:
             with self._send_lock:
-                if self._bucket is None:
-                    self.sock.sendall(data)
-                    return
-                view = memoryview(data)
-                for a in range(0, len(view), SLICE):
-                    part = view[a:a + SLICE]
-                    self._bucket.consume(len(part))
-                    self.sock.sendall(part)
+                self.sock.sendall(data)
         except OSError as e:  # includes socket.timeout: the peer stopped reading
             raise LinkError(f"send to {self.peer} failed: {e!r}") from None
 
@@ -180,12 +152,7 @@ class TcpLink(Link):
         try:
             with self._send_lock:
                 self.sock.sendall(head)
-                step = SLICE if self._bucket else b - a
-                for at in range(0, b - a, step):
-                    n = min(step, b - a - at)
-                    if self._bucket:
-                        self._bucket.consume(n)
-                    self.sock.sendfile(buf.file, offset + at, n)
+                self.sock.sendfile(buf.file, offset, b - a)
         except OSError as e:
             raise LinkError(f"send to {self.peer} failed: {e!r}") from None
 
@@ -216,8 +183,8 @@ class TcpLink(Link):
 
 
 class TcpListener(Listener):
-    def __init__(self, sock: socket.socket, timeout_s: float, rate: float) -> None:
-        self.sock, self.timeout_s, self.rate = sock, timeout_s, rate
+    def __init__(self, sock: socket.socket, transport: "TcpTransport") -> None:
+        self.sock, self.transport = sock, transport
         self.address = sock.getsockname()[:2]
 
     def accept(self) -> Link | None:
@@ -225,7 +192,7 @@ class TcpListener(Listener):
             conn, _ = self.sock.accept()
         except OSError:
             return None
-        return TcpLink(conn, self.timeout_s, self.rate)
+        return self.transport.make_link(conn)
 
     def close(self) -> None:
         try:
@@ -236,8 +203,11 @@ class TcpListener(Listener):
 
 
 class TcpTransport(Transport):
-    def __init__(self, timeout_s: float, rate_bytes_per_s: float = 0.0) -> None:
-        self.timeout_s, self.rate = timeout_s, rate_bytes_per_s
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    def make_link(self, sock: socket.socket) -> TcpLink:
+        return TcpLink(sock, self.timeout_s)
 
     def listen(self, host: str, port_range: tuple[int, int] | None) -> Listener:
         ports = [0] if port_range is None else range(port_range[0], port_range[1] + 1)
@@ -252,7 +222,7 @@ class TcpTransport(Transport):
                 last = e
                 continue
             sock.listen(64)
-            return TcpListener(sock, self.timeout_s, self.rate)
+            return TcpListener(sock, self)
         raise OSError(f"relay could not listen on {host} ports {port_range}: {last}; set "
                       "relay.port_range to a free range or leave it unset for an ephemeral port")
 
@@ -261,7 +231,7 @@ class TcpTransport(Transport):
             sock = socket.create_connection(address, timeout=self.timeout_s)
         except OSError as e:
             raise LinkError(f"cannot connect to relay at {address[0]}:{address[1]}: {e!r}") from None
-        return TcpLink(sock, self.timeout_s, self.rate)
+        return self.make_link(sock)
 
 
 # ---------------------------------------------------------------------------------------------

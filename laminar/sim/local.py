@@ -139,10 +139,6 @@ def block_from_run(run_dir: Path, engine_json: Path, cfg: Any, warmup: int = 2) 
 def measure(out: Path, steps: int, measured: str | None) -> dict[str, Any]:
     """Run `laminar bench engine --quick` and a short sync training with `laminar bench
     modes`' workload, and write a calibration file for `laminar simulate --calibration`."""
-    import os
-
-    import ray
-
     from laminar.bench import engine as bench_engine
     from laminar.bench.modes import bench_config
     from laminar.modes import run_training
@@ -152,12 +148,7 @@ def measure(out: Path, steps: int, measured: str | None) -> dict[str, Any]:
     bench_engine.main(quick=True, out=str(engine_json))
     run_dir = out.with_name(out.stem + "-run")
     cfg = bench_config("sync", steps, run_dir)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        run_training(cfg)
-    finally:
-        ray.shutdown()
+    run_training(cfg)  # starts (and stops) its own embedded cluster
     block = block_from_run(cfg.resolved_run_dir, engine_json, cfg)
     if measured:
         block["measured"] = measured
@@ -166,7 +157,7 @@ def measure(out: Path, steps: int, measured: str | None) -> dict[str, Any]:
     data = {"local": block, "inflight_batches": share, "partial_inflight_batches": share,
             "max_outstanding_batches": float(ro.max_outstanding_batches),
             "version_lag": ro.version_lag,
-            "stream_minibatches": cfg.trainer.stream_minibatches}
+            "stream_minibatches": True}  # the runtime's free-running trainers always stream
     out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {out}")
     return data

@@ -10,7 +10,7 @@
     manager:    every 5 s and after each update, Algorithm 1 (laminar.manager.repack) moves
                 the unfinished trajectories of ramp-down rollouts to others of the same version
 
-This is the policy of the runtime's rollout worker (`laminar/rollout/worker.py, run_free`).
+This is the policy of the runtime's laminar rollouts (`Laminar` in `laminar/modes/laminar.py`).
 A rollout's lease cap is `inflight_batches * global batch / replicas` trajectories (whole
 groups, at most 1024; the runtime's `rollout.batch_groups`), and all rollouts together lease
 only while fewer than `max_outstanding_batches` global batches are leased or untrained.

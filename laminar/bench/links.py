@@ -1,12 +1,17 @@
-"""Emulated cluster links for benchmarks: one network namespace per node, joined by veth pairs to
-a bridge, each node's uplink and downlink capped with a `tc` token-bucket filter (tbf).
+"""Emulated cluster links for benchmarks and tests, two ways.
 
-    with Netns(8, rate_mbit=1000) as net:
-        net.prefix(3)      # ["ip", "netns", "exec", "<ns of node 3>"]: run a command on node 3
-        net.address(3)     # node 3's IP
+- `Netns`: one network namespace per node, joined by veth pairs to a bridge, each node's
+  uplink and downlink capped with a `tc` token-bucket filter (tbf).
 
-Needs root and iproute2 (`ip`, `tc`); `Netns.available()` says whether this machine allows it.
-Everything created carries a random tag and is removed on exit.
+      with Netns(8, rate_mbit=1000) as net:
+          net.prefix(3)      # ["ip", "netns", "exec", "<ns of node 3>"]: run a command on node 3
+          net.address(3)     # node 3's IP
+
+  Needs root and iproute2 (`ip`, `tc`); `Netns.available()` says whether this machine allows
+  it. Everything created carries a random tag and is removed on exit.
+- `ThrottledTcp`: the relay's TCP transport with a per-connection send cap (`TokenBucket`),
+  standing in for a slow link where namespaces are not available (and slowing a broadcast
+  down enough for a test to kill a relay in the middle of it).
 """
 
 from __future__ import annotations
@@ -14,7 +19,14 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import socket
 import subprocess
+import time
+
+from laminar.relay.store import VersionBuffer
+from laminar.relay.transport import FRAME, CHUNK, LinkError, TcpLink, TcpTransport
+
+SLICE = 256 << 10  # throttled sends go out in slices of this size
 
 
 def _run(*cmd: str) -> None:
@@ -96,3 +108,61 @@ class Netns:
             cmd = ("ip", "netns", "del", name) if kind == "netns" else ("ip", "link", "del", name)
             subprocess.run(cmd, capture_output=True)
         self._made.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Throttled TCP
+
+
+class TokenBucket:
+    """Caps the bytes per second of one connection."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens, self.stamp = burst, time.perf_counter()
+
+    def consume(self, n: int) -> None:
+        now = time.perf_counter()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        self.tokens -= n
+        if self.tokens < 0:
+            time.sleep(-self.tokens / self.rate)
+
+
+class ThrottledLink(TcpLink):
+    def __init__(self, sock: socket.socket, timeout_s: float, rate: float) -> None:
+        super().__init__(sock, timeout_s)
+        self.bucket = TokenBucket(rate, max(rate * 0.01, 2 * SLICE))
+
+    def send_raw(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        for a in range(0, len(view), SLICE):
+            part = view[a:a + SLICE]
+            self.bucket.consume(len(part))
+            super().send_raw(part)
+
+    def send_chunk(self, buf: VersionBuffer, i: int) -> None:
+        a, b = buf.header.chunk_range(i)
+        head = FRAME.pack(CHUNK, buf.header.checksums[i], buf.version, i, b - a)
+        offset = buf.header.data_offset + a
+        try:
+            with self._send_lock:
+                self.sock.sendall(head)
+                for at in range(0, b - a, SLICE):
+                    n = min(SLICE, b - a - at)
+                    self.bucket.consume(n)
+                    self.sock.sendfile(buf.file, offset + at, n)
+        except OSError as e:
+            raise LinkError(f"send to {self.peer} failed: {e!r}") from None
+
+
+class ThrottledTcp(TcpTransport):
+    """TCP whose every connection sends at most `rate_mbit` Mbit/s."""
+
+    def __init__(self, timeout_s: float, rate_mbit: float) -> None:
+        super().__init__(timeout_s)
+        self.rate = rate_mbit * 1e6 / 8
+
+    def make_link(self, sock: socket.socket) -> TcpLink:
+        return ThrottledLink(sock, self.timeout_s, self.rate)

@@ -1,13 +1,19 @@
-"""The trainer as a service: sample the experience buffer, train, push to the master relay, go on.
+"""The trainer as a service: sample the experience buffer, train, publish the weights, go on.
 
-`TrainerWorker` is a plain class; the runtime makes it a threaded Ray actor. It never waits
-for rollouts, only for data: `train_once` takes one global batch of complete groups (FIFO),
-records each sample's staleness, runs the GRPO update, pushes the new version to the master
-relay (returning as soon as the master holds it) and logs one metrics row; `train_streaming`
-does the same a mini-batch at a time, each as soon as its groups are complete. `run` repeats
-`train_next` (laminar mode; partial calls `train_next` per update), which streams unless
-trainer.stream_minibatches is off; the global-batch schedules call `train_once` /
-`train_streaming` themselves, which is where their waits are.
+    service = TrainerService(cfg, model_dir, data, weights)     # no Ray: two small doors
+    service.train_once()        # one global batch: wait for it, train, publish, log a row
+
+It never waits for rollouts, only for data (④, through `TrainerData`): `train_once` takes one
+global batch of complete groups (FIFO), records each sample's staleness, runs the GRPO update,
+publishes the new version (⑤, through `WeightSink`: the master relay, returning as soon as it
+holds the version) and logs one metrics row; `train_streaming` does the same a mini-batch at a
+time, each as soon as its groups are complete. The free-running schedules call `train_next`
+(= `train_streaming`; laminar through `run`, which repeats it); the global-batch schedules call
+`train_once` / `train_streaming` themselves, which is where their waits are.
+
+The Ray actor (laminar/trainer/actor.py) gives it the pool actors and the relay pusher; the
+one-process runtime gives it the pools themselves and a `WeightBoard`. A restarted trainer
+(`restarted=True`) recovers from the newest checkpoint of the run (`_recover`).
 
 Throughput is the paper's: (prompt + response tokens of the global batch) / (time between two
 consecutive updates).
@@ -18,12 +24,10 @@ from __future__ import annotations
 import json
 import os
 import threading
-import warnings
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import ray
 import torch
 
 from laminar.config import Config
@@ -55,29 +59,42 @@ def drop_torn_last_line(path: Path, block: int = 1 << 16) -> None:
         f.truncate(0)  # not one complete line
 
 
-class TrainerWorker:
-    def __init__(self, cfg: Config, model_dir: str, plan: dict[str, Any], secret: bytes,
-                 pools: dict[str, str]) -> None:
-        """`pools`: the names of the prompt pool and experience buffer actors."""
-        from laminar.relay.client import Pusher
-        from laminar.relay.plan import ChainPlan
+class TrainerData(Protocol):
+    """What the trainer needs of the pools: complete groups, and the prompt pool's position."""
 
+    def sample(self, num_groups: int, trainer_version: int) -> list[list[Trajectory]] | None: ...
+
+    def consumed(self, num_groups: int) -> None: ...  # the prompt pool's admission count
+
+    def ack(self) -> None: ...  # everything taken so far is checkpointed
+
+    def requeue_unacked(self) -> int: ...  # a restart: what was taken since goes back
+
+    def counts(self) -> dict[str, int]: ...
+
+    def prompt_state(self) -> dict[str, Any]: ...
+
+    def load_prompt_state(self, state: dict[str, Any]) -> None: ...
+
+
+class WeightSink(Protocol):
+    def push(self, named: dict[str, torch.Tensor], version: int) -> float:
+        """Publish `version`; returns the trainer's stall in seconds."""
+
+
+class TrainerService:
+    def __init__(self, cfg: Config, model_dir: str, data: TrainerData, weights: WeightSink,
+                 restarted: bool = False) -> None:
         torch.set_num_threads(cfg.trainer.threads)
         torch.manual_seed(cfg.trainer.seed)
         self.cfg = cfg
         model, self.tokenizer = load_pretrained(model_dir, cfg.model.attn_implementation)
         self.trainer = Trainer(model, cfg.trainer, self.tokenizer.pad_token_id, cfg.rollout.temperature)
-        self.prompts, self.buffer = (ray.get_actor(pools["prompts"]), ray.get_actor(pools["buffer"]))
+        self.data, self.weights = data, weights
         if cfg.trainer.resume:
             extra = self.trainer.load_checkpoint(cfg.trainer.resume)
-            # a checkpoint of the one-process loop holds only the sampler's position
-            state = extra.get("prompts") or {"sampler": extra["sampler"], "pending": []}
-            ray.get(self.prompts.load_state_dict.remote(state))
-        self.pusher = Pusher(ChainPlan.from_dict(plan), secret, cfg.relay)
+            self.data.load_prompt_state(extra["prompts"])
         self.history: list[dict[str, Any]] = []
-        with warnings.catch_warnings():  # Ray's own property trips its deprecation warning
-            warnings.simplefilter("ignore")
-            restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if restarted:
             self._recover()
         elif not cfg.trainer.resume:
@@ -90,16 +107,13 @@ class TrainerWorker:
     def version(self) -> int:
         return self.trainer.version
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def publish(self) -> float:
-        """Push the current weights to the master relay; returns the stall in seconds."""
-        result = self.pusher.push(self.trainer.named_weights(), self.trainer.version)
+        """Publish the current weights; returns the stall in seconds."""
+        stall = self.weights.push(self.trainer.named_weights(), self.trainer.version)
         tmp = self._state_file.with_suffix(".tmp")  # atomic: a kill never leaves half a file
         tmp.write_text(json.dumps({"published": self.trainer.version}))
         os.replace(tmp, self._state_file)
-        return result.seconds
+        return stall
 
     @property
     def _state_file(self) -> Path:
@@ -113,22 +127,18 @@ class TrainerWorker:
                        if not p.name.endswith(".tmp"))
         if ckpts:
             self.trainer.load_checkpoint(ckpts[-1])
-        requeued = ray.get(self.buffer.requeue_unacked.remote())
-        self.prompts.mark_consumed.remote(-requeued)
-        published = json.loads(self._state_file.read_text())["published"] if self._state_file.exists() else -1
+        requeued = self.data.requeue_unacked()
+        self.data.consumed(-requeued)
         resumed_at = self.trainer.version
-        self.trainer.version = max(self.trainer.version, published)
+        if self._state_file.exists():  # number on after the newest version already published
+            published = json.loads(self._state_file.read_text())["published"]
+            self.trainer.version = max(self.trainer.version, published)
         audit = self.cfg.resolved_run_dir / "trajectories.jsonl"
         drop_torn_last_line(audit)  # the kill may have landed mid-append
         with audit.open("a") as f:
             f.write(json.dumps({"event": "trainer_restart", "checkpoint": str(ckpts[-1]) if ckpts else None,
                                 "resumed_at": resumed_at, "continues_at": self.trainer.version,
                                 "requeued_groups": requeued}) + "\n")
-
-    def set_plan(self, plan: dict[str, Any]) -> None:
-        from laminar.relay.plan import ChainPlan
-
-        self.pusher.set_plan(ChainPlan.from_dict(plan))
 
     # ------------------------------------------------------------------------- training
 
@@ -137,16 +147,15 @@ class TrainerWorker:
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.cfg.cluster.wait_timeout_s
         while True:
-            groups = ray.get(self.buffer.sample.remote(num_groups, self.trainer.version),
-                             timeout=self.cfg.cluster.wait_timeout_s)
+            groups = self.data.sample(num_groups, self.trainer.version)
             if groups is not None:
                 self.idle_s += time.perf_counter() - t0
-                self.prompts.mark_consumed.remote(len(groups))
+                self.data.consumed(len(groups))
                 return groups
             if self.stop_event.is_set():
                 raise InterruptedError("trainer stopped while waiting for data")
             if time.monotonic() > deadline:
-                counts = ray.get(self.buffer.counts.remote())
+                counts = self.data.counts()
                 raise TimeoutError(
                     f"trainer waited {self.cfg.cluster.wait_timeout_s:.0f}s for {num_groups} "
                     f"complete groups; the experience buffer has {counts['ready_groups']} ready and "
@@ -160,14 +169,13 @@ class TrainerWorker:
         return self._train_and_publish([t for g in groups for t in g])
 
     def train_next(self) -> dict[str, Any]:
-        """The free-running schedules' update: streamed by mini-batch unless
-        trainer.stream_minibatches is off."""
-        return self.train_streaming() if self.cfg.trainer.stream_minibatches else self.train_once()
+        """The free-running schedules' update: each mini-batch trained as soon as its groups
+        are complete (the version still changes once per global batch)."""
+        return self.train_streaming()
 
     def train_streaming(self) -> dict[str, Any]:
         """Take each mini-batch as soon as its groups are complete, one optimizer update each,
-        and bump the version at the end of the global batch (stream schedule; laminar and
-        partial with trainer.stream_minibatches)."""
+        and bump the version at the end of the global batch (stream, laminar, partial)."""
         per_mini = -(-self.cfg.trainer.prompts_per_step // self.cfg.trainer.mini_batches)
         trajs: list[Trajectory] = []
         taken = 0
@@ -201,7 +209,7 @@ class TrainerWorker:
         if (every and self.trainer.version % every == 0) or self.trainer.version == self.cfg.trainer.total_steps:
             self.checkpoint()
         if not every or self.trainer.version % every == 0:
-            self.buffer.ack.remote()  # checkpointed (or no recovery asked for): release the data
+            self.data.ack()  # checkpointed (or no recovery asked for): release the data
         stall = self.publish()
         now = time.perf_counter()
         summary = summarize(trajs)
@@ -231,8 +239,7 @@ class TrainerWorker:
 
     def checkpoint(self) -> str:
         path = self.cfg.resolved_run_dir / "checkpoints" / f"step_{self.trainer.version:06d}"
-        state = ray.get(self.prompts.state_dict.remote())
-        self.trainer.save_checkpoint(path, self.tokenizer, {"prompts": state})
+        self.trainer.save_checkpoint(path, self.tokenizer, {"prompts": self.data.prompt_state()})
         return str(path)
 
     def metrics_since(self, index: int) -> list[dict[str, Any]]:

@@ -1,0 +1,62 @@
+"""The rollout manager's pure decisions about failures: who is dead, who continues the dead
+one's work, which relay a rollout pulls from once its own died.
+
+    overdue(last_seen, now, limit_s)                  -> rollouts silent for too long
+    assign_unfinished(moved, versions, mixes)         -> {destination: [Unfinished]}, restarted
+    repoint(rollout_relay, dead_relays, live_relays)  -> {rollout: new relay}
+
+No I/O and no clocks of their own; the manager (manager.py) gathers the inputs and applies
+the answers.
+"""
+
+from __future__ import annotations
+
+from laminar.types import GenerationRequest, Unfinished
+
+
+def overdue(last_seen: dict[str, float], now: float, limit_s: float) -> list[str]:
+    """Rollouts whose last answer to a health check is older than `limit_s` (hung or gone)."""
+    return sorted(r for r, t in last_seen.items() if now - t > limit_s)
+
+
+def assign_unfinished(moved: list[Unfinished], versions: dict[str, int],
+                      mixes_versions: bool) -> tuple[dict[str, list[Unfinished]], int]:
+    """Which live rollout continues each unfinished trajectory (`versions`: live rollout ->
+    the version it holds). A trajectory goes to a rollout holding its version; if none does,
+    it restarts from scratch on any of them (its tokens dropped, so it never mixes versions),
+    unless the schedule mixes versions anyway (`mixes_versions`, partial rollout), when any
+    rollout continues it as it is. Destinations take turns, so the work is spread. Returns the
+    assignment and how many trajectories restart."""
+    if not versions:
+        return {}, 0
+    live = sorted(versions)
+    by_version: dict[int, list[str]] = {}
+    for r in live:
+        by_version.setdefault(versions[r], []).append(r)
+    turn: dict[int | None, int] = {}
+    plan: dict[str, list[Unfinished]] = {}
+    restarted = 0
+    for m in moved:
+        req = m.request
+        same = by_version.get(req.version) if req.version is not None else None
+        if same:
+            candidates, key = same, req.version
+        else:
+            candidates, key = live, None
+            if req.version is not None and not mixes_versions:
+                req = GenerationRequest(req.request_id, list(req.prompt_ids), req.params)
+                restarted += 1
+        k = turn.get(key, 0)
+        turn[key] = k + 1
+        plan.setdefault(candidates[k % len(candidates)], []).append(Unfinished(req, m.group))
+    return plan, restarted
+
+
+def repoint(rollout_relay: dict[str, str], dead: list[str], live: list[str]) -> dict[str, str]:
+    """Rollouts whose relay died, each with a live relay to pull from instead (taking turns
+    over the live ones). On one machine every relay's shared memory is local; across hosts the
+    caller offers only relays of the rollout's own node."""
+    if not live:
+        return {}
+    orphans = sorted(r for r, relay in rollout_relay.items() if relay in dead)
+    return {r: live[k % len(live)] for k, r in enumerate(orphans)}

@@ -1,0 +1,175 @@
+"""The rollout as a Ray actor: a shell around `RolloutLoop`, and the Ray-backed doors it uses.
+
+`RolloutActor` builds the engine, the loop and its doors, runs the loop in a thread of its own
+from `start()` to `stop()`, and turns the drivers' and the manager's calls into requests to the
+loop. The runtime (laminar/runtime/cluster.py) makes it a threaded actor, so those calls are
+served while the loop runs. It holds no handle of the manager: the manager asks, it answers.
+
+The doors (`RayPrompts`, `RayPartials`, `RayBuffer`) call the pool actors without blocking the
+loop: a lease or a put is an object ref the loop looks at later; partial-pool updates are
+fire-and-forget (Ray keeps one caller's calls to one actor in order).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import zlib
+from typing import Any
+
+import ray
+import torch
+
+from laminar.config import Config
+from laminar.engine import build_engine
+from laminar.models import load_pretrained
+from laminar.pools.partials import TokenUpdate
+from laminar.rollout.finish import Finisher
+from laminar.rollout.io import Registration, RelayWeights, RolloutIO
+from laminar.rollout.loop import RolloutLoop
+from laminar.rollout.policy import Policy
+from laminar.rollout.requests import sampling_params
+from laminar.tasks import Task
+from laminar.tasks.rewards import resolve_reward
+from laminar.types import PromptGroup, RolloutSnapshot, Trajectory, Unfinished
+
+
+class RayPrompts:
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.ref: Any = None
+
+    def request(self, owner: str, num_groups: int) -> None:
+        self.ref = self.pool.lease.remote(owner, num_groups)
+
+    def poll(self) -> list[PromptGroup] | None:
+        if self.ref is None or not ray.wait([self.ref], timeout=0)[0]:
+            return None
+        ref, self.ref = self.ref, None
+        return ray.get(ref)
+
+    def renew(self, owner: str) -> None:
+        self.pool.renew.remote(owner)
+
+    def complete(self, group_ids: list[str]) -> None:
+        self.pool.complete_many.remote(group_ids)
+
+
+class RayPartials:
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    def register(self, owner: str, registrations: list[Registration]) -> None:
+        self.pool.register_many.remote(owner, registrations)
+
+    def update(self, owner: str, updates: list[TokenUpdate]) -> None:
+        self.pool.update.remote(owner, updates)
+
+    def remove(self, traj_ids: list[str]) -> None:
+        self.pool.remove.remote(traj_ids)
+
+
+class RayBuffer:
+    def __init__(self, buffer: Any) -> None:
+        self.buffer = buffer
+        self.pending: list[tuple[Any, list[str]]] = []  # (put ref, its trajectory ids), in order
+
+    def put(self, trajs: list[Trajectory]) -> None:
+        self.pending.append((self.buffer.put_many.remote(trajs), [t.traj_id for t in trajs]))
+
+    def landed(self) -> list[tuple[list[str], list[str]]]:
+        out = []
+        while self.pending and ray.wait([self.pending[0][0]], timeout=0)[0]:
+            ref, ids = self.pending.pop(0)
+            out.append((ids, ray.get(ref)))
+        return out
+
+    def settle(self, timeout_s: float) -> None:
+        if self.pending:
+            refs = [ref for ref, _ in self.pending]
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+    @property
+    def num_unconfirmed(self) -> int:
+        return sum(len(ids) for _, ids in self.pending)
+
+
+class RolloutActor:
+    def __init__(self, rollout_id: str, cfg: Config, model_dir: str, relay: dict[str, Any],
+                 pools: dict[str, Any], policy: Policy, version: int = 0) -> None:
+        torch.set_num_threads(cfg.rollout.threads)
+        if cfg.rollout.cpu_nice:
+            os.nice(cfg.rollout.cpu_nice)  # yield the CPU to the trainer (always allowed)
+        self.cfg = cfg
+        model, tokenizer = load_pretrained(model_dir, cfg.model.attn_implementation)
+        seed = zlib.crc32(f"{cfg.trainer.seed}/{rollout_id}".encode())  # stable, distinct per rollout
+        engine = build_engine(cfg.rollout.engine, model.eval(), tokenizer.eos_token_id,
+                              tokenizer.pad_token_id, version, seed)
+        io = RolloutIO(RayPrompts(pools["prompts"]), RayPartials(pools["partials"]),
+                       RayBuffer(pools["buffer"]), RelayWeights(relay, cfg.relay))
+        task = Task(cfg.task.name, [], [], resolve_reward(cfg.task.reward))
+        finisher = Finisher(task, tokenizer, cfg.rollout.env_latency, seed)
+        self.loop = RolloutLoop(rollout_id, engine, io, policy, finisher, sampling_params(cfg),
+                                cfg.rollout, cfg.cluster.heartbeat_s)
+        self.stop_event = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def start(self) -> None:
+        if self.thread is None:
+            self.stop_event.clear()
+            self.thread = threading.Thread(target=self.loop.run, args=(self.stop_event,),
+                                           daemon=True, name=f"loop-{self.loop.id}")
+            self.thread.start()
+
+    def stop(self) -> RolloutSnapshot:
+        """End the loop (what reached the buffer is confirmed first); its last snapshot."""
+        if self.thread is not None:
+            self.stop_event.set()
+            self.thread.join(timeout=self.cfg.cluster.wait_timeout_s)
+            self.thread = None
+        return self.loop.snapshot()
+
+    # ------------------------------------------------------------------------- drivers
+
+    def generate_groups(self, num_groups: int) -> int:
+        """A global batch's share: returns once `num_groups` groups are in the buffer."""
+        self.loop.request_groups(num_groups)
+        self._wait(lambda: self.loop.batch_done, f"{num_groups} groups of a global batch")
+        return num_groups
+
+    def sync_to(self, version: int) -> int:
+        """A global weight sync: returns once the engine holds `version` or newer."""
+        self.loop.request_version(version)
+        self._wait(lambda: self.loop.holds_version(version),
+                   f"version {version} from its local relay (is the relay chain alive?)")
+        return self.loop.engine.version
+
+    def _wait(self, done: Any, what: str) -> None:
+        deadline = time.monotonic() + self.cfg.cluster.wait_timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout {self.loop.id} waited cluster.wait_timeout_s="
+                                   f"{self.cfg.cluster.wait_timeout_s:.0f}s for {what}")
+            time.sleep(0.002)
+
+    # ------------------------------------------------------------------------- the manager
+
+    def snapshot(self) -> RolloutSnapshot:
+        return self.loop.snapshot()
+
+    def export(self) -> list[Unfinished]:
+        return self.loop.export()
+
+    def adopt(self, moved: list[Unfinished]) -> bool:
+        return self.loop.adopt(moved)
+
+    def release(self) -> None:
+        self.loop.release()
+
+    def set_relay(self, relay: dict[str, Any]) -> None:
+        """Pull from another relay from now on (this one's died)."""
+        self.loop.set_weights(RelayWeights(relay, self.cfg.relay))

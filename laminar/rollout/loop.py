@@ -1,0 +1,294 @@
+"""The rollout loop: one engine, its trajectories in flight, and a schedule's policy. No Ray.
+
+    loop = RolloutLoop("rollout0", engine, io, policy, finisher, params, cfg.rollout, heartbeat_s=2)
+    while not stopped:
+        loop.step() or time.sleep(0.002)
+
+Each `step()`:
+1. **decide**: the policy (laminar/modes/<mode>.py) reads a `LoopState` and says how many groups
+   to lease, whether leased groups start, whether to pull the newest weights, and whether to
+   interrupt in-flight work for them;
+2. **admit**: collect the answer of the prompt source (① a lease), start leased groups in the
+   engine and register them with the partial response pool;
+3. **decode**: one engine step; finished requests go to the `Finisher` (reward, environment);
+4. **hand on**: stream new tokens to the partial pool (②, every `rollout.stream_every` tokens,
+   at most every `rollout.stream_interval_s`), put trajectories whose environment call is over
+   into the experience buffer (③), and, for every put the buffer confirmed, drop those
+   trajectories from the partial pool and close the groups they completed.
+
+A schedule's driver makes requests (`request_groups`, `request_version`) that the policy then
+acts on; the manager reads `snapshot()` and moves work with `export` / `adopt` / `release`.
+Those calls may come from other threads: one lock covers a whole step and each of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from typing import Any
+
+from laminar.config import RolloutConfig
+from laminar.pools.partials import TokenUpdate
+from laminar.rollout.finish import Finisher
+from laminar.rollout.io import RolloutIO
+from laminar.rollout.policy import LoopState, Policy
+from laminar.rollout.requests import group_requests
+from laminar.types import (GenerationRequest, PromptGroup, RolloutCounters, RolloutSnapshot,
+                           SamplingParams, Unfinished)
+
+# Calls to other components cost CPU on both sides (~0.1-0.5 ms each as Ray calls), so the
+# loop batches them: buffer puts and confirmations at most every FLUSH_S; a refused lease
+# (admission control) is asked again after LEASE_RETRY_S.
+FLUSH_S = 0.025
+LEASE_RETRY_S = 0.1
+IDLE_S = 0.002  # nap when something is pending (a lease, the environment, a confirmation)
+IDLE_QUIET_S = 0.01  # nap when nothing is (a request wakes the loop at once)
+
+
+class RolloutLoop:
+    def __init__(self, rollout_id: str, engine: Any, io: RolloutIO, policy: Policy,
+                 finisher: Finisher, params: SamplingParams, cfg: RolloutConfig,
+                 heartbeat_s: float) -> None:
+        self.id = rollout_id
+        self.engine, self.io, self.policy, self.finisher = engine, io, policy, finisher
+        self.params, self.cfg, self.heartbeat_s = params, cfg, heartbeat_s
+        self.in_flight: dict[str, tuple[GenerationRequest, PromptGroup]] = {}
+        self.streamed: dict[str, int] = {}  # trajectory id -> tokens already streamed
+        self.leased: list[PromptGroup] = []  # handed out, not started yet
+        self.lease_pending = False  # a lease request is out (the loop never blocks on it)
+        self.next_lease = 0.0
+        self.requested = 0  # groups of requested global batches not leased yet
+        self.sync_to: int | None = None  # a version a global weight sync asked for
+        self.held = False  # set by export: no admissions until the manager releases
+        self.draining = False
+        self.counters = RolloutCounters(versions=[engine.version])
+        self.lock = threading.Lock()
+        self.wake = threading.Event()  # set by every request, so an idle loop reacts at once
+        self.last_renew = self.last_stream = self.last_flush = 0.0
+
+    # ------------------------------------------------------------------------- requests
+
+    def request_groups(self, num_groups: int) -> None:
+        """A global batch's share: lease and generate `num_groups` more groups."""
+        with self.lock:
+            self.requested += num_groups
+        self.wake.set()
+
+    def request_version(self, version: int) -> None:
+        """A global weight sync: get to `version` (what happens to in-flight work is the
+        policy's answer)."""
+        with self.lock:
+            self.sync_to = max(version, self.sync_to or version)
+        self.wake.set()
+
+    def holds_version(self, version: int) -> bool:
+        return self.engine.version >= version
+
+    @property
+    def batch_done(self) -> bool:
+        """Every requested group leased, generated and confirmed by the buffer."""
+        return not (self.requested or self.leased or self.lease_pending or self.has_work)
+
+    @property
+    def has_work(self) -> bool:
+        """Anything not yet safely in the buffer: decoding, in the environment, or unconfirmed."""
+        return bool(self.in_flight or len(self.finisher) or self.io.buffer.num_unconfirmed)
+
+    # ------------------------------------------------------------------------- the step
+
+    def step(self) -> bool:
+        """One round of decide, admit, decode, hand on; False when there was nothing to do."""
+        with self.lock:
+            self._collect_lease()
+            self._decide()
+            decoded = self._decode()
+            handed = self._hand_on()
+        return decoded or handed
+
+    def run(self, stop: threading.Event) -> None:
+        """Step until `stop` is set, napping when idle; then settle."""
+        while not stop.is_set():
+            if self.step():
+                continue
+            t0 = time.perf_counter()
+            self.wake.wait(IDLE_S if self.has_work or self.lease_pending else IDLE_QUIET_S)
+            self.wake.clear()
+            self.counters.idle_s += time.perf_counter() - t0
+        self.settle(timeout_s=60.0)
+
+    def _decide(self) -> None:
+        version = self.engine.version
+        if self.sync_to is not None and self.sync_to <= version:
+            self.sync_to = None
+        size = self.cfg.group_size
+        free = (self.cfg.batch_groups * size - len(self.in_flight)) // size - len(self.leased)
+        decision = self.policy.decide(LoopState(
+            version=version, newest=self.io.weights.newest(), sync_to=self.sync_to,
+            num_in_flight=len(self.in_flight), num_leased=len(self.leased),
+            num_requested=self.requested, free_groups=max(0, free), held=self.held))
+        self.draining = decision.draining
+        if decision.interrupt:
+            self._interrupt()
+        elif decision.pull and not self.in_flight:
+            self._load_newest()
+        if decision.start and self.leased:
+            self._start(self.leased)
+            self.leased = []
+        if decision.lease > 0 and not self.lease_pending and time.monotonic() >= self.next_lease:
+            self.io.prompts.request(self.id, decision.lease)
+            self.lease_pending = True
+
+    def _collect_lease(self) -> None:
+        if not self.lease_pending:
+            return
+        groups = self.io.prompts.poll()
+        if groups is None:
+            return
+        self.lease_pending = False
+        self.leased.extend(groups)
+        self.requested = max(0, self.requested - len(groups))
+        if not groups:
+            self.next_lease = time.monotonic() + LEASE_RETRY_S  # admission control said no
+
+    def _start(self, groups: list[PromptGroup]) -> None:
+        registrations = []
+        for group in groups:
+            requests = group_requests(group, self.params)
+            registrations.append((group, requests))
+            for req in requests:
+                self.engine.add(req)
+                self.in_flight[req.request_id] = (req, group)
+                self.streamed[req.request_id] = 0
+        self.io.partials.register(self.id, registrations)
+        self.counters.batches += 1
+
+    def _decode(self) -> bool:
+        if not self.engine.has_unfinished():
+            return False
+        t0 = time.perf_counter()
+        deltas = self.engine.step()
+        for d in deltas:
+            if d.finish_reason is not None and d.request_id in self.in_flight:
+                self.streamed.pop(d.request_id, None)
+                self.finisher.add(*self.in_flight.pop(d.request_id))
+        if deltas:
+            self.counters.busy_s += time.perf_counter() - t0
+            self.counters.generated_tokens += sum(len(d.token_ids) for d in deltas)
+        return bool(deltas)
+
+    def _hand_on(self, force: bool = False) -> bool:
+        now = time.monotonic()
+        if now - self.last_stream >= self.cfg.stream_interval_s:
+            self.last_stream = now
+            self._stream()
+        if now - self.last_renew > self.heartbeat_s:
+            self.last_renew = now
+            self.io.prompts.renew(self.id)
+        if now - self.last_flush < FLUSH_S and not force:
+            return False
+        self.last_flush = now
+        ready = self.finisher.ready()
+        if ready:
+            self.io.buffer.put(ready)
+        landed = self.io.buffer.landed()
+        for traj_ids, completed in landed:
+            self.io.partials.remove(traj_ids)
+            if completed:
+                self.io.prompts.complete(completed)
+            self.counters.finished += len(traj_ids)
+        return bool(ready or landed)
+
+    def _stream(self) -> None:
+        every, updates = self.cfg.stream_every, []
+        for rid, (req, _) in self.in_flight.items():
+            sent = self.streamed[rid]
+            if len(req.output_ids) - sent >= every:
+                updates.append(TokenUpdate(rid, req.output_ids[sent:], req.logprobs[sent:],
+                                           req.token_versions[sent:]))
+                self.streamed[rid] = len(req.output_ids)
+        if updates:
+            self.io.partials.update(self.id, updates)
+
+    def settle(self, timeout_s: float) -> None:
+        """Put what is ready, wait for the buffer to confirm every put, process confirmations
+        (the final accounting reads them)."""
+        with self.lock:
+            self._hand_on(force=True)
+            self.io.buffer.settle(timeout_s)
+            self._hand_on(force=True)
+
+    # ------------------------------------------------------------------------- weights
+
+    def _load_newest(self) -> int | None:
+        t0 = time.perf_counter()
+        version = self.io.weights.load_newest(self.engine, newer_than=self.engine.version)
+        if version is not None:
+            self.counters.pulls += 1
+            self.counters.pull_s += time.perf_counter() - t0
+            self.counters.versions.append(version)
+        return version
+
+    def _interrupt(self) -> None:
+        """Abort everything in flight, load the newest weights, resume it all with re-prefill
+        (each token keeps the version that made it)."""
+        states = self.engine.abort(list(self.in_flight))
+        self._load_newest()
+        for state in states:
+            self.engine.add(state)
+        self.counters.swaps += 1
+        self.counters.reprefill_tokens += sum(state.num_tokens for state in states)
+
+    def set_weights(self, weights: Any) -> None:
+        """Read weights from another source from now on (its relay died)."""
+        with self.lock:
+            self.io.weights = weights
+
+    # ------------------------------------------------------------------------- the manager's side
+
+    def snapshot(self) -> RolloutSnapshot:
+        with self.lock:
+            stats = self.engine.stats()
+            self.counters.reward_errors = self.finisher.reward_errors
+            return RolloutSnapshot(
+                rollout_id=self.id, version=self.engine.version, num_in_flight=len(self.in_flight),
+                num_unsettled=len(self.finisher) + self.io.buffer.num_unconfirmed,
+                num_running=stats.num_running, num_waiting=stats.num_waiting,
+                kv_used_tokens=stats.kv_used_tokens, kv_capacity_tokens=stats.kv_capacity_tokens,
+                held=self.held, draining=self.draining, counters=copy.deepcopy(self.counters))
+
+    def export(self) -> list[Unfinished]:
+        """Abort everything in flight and hand it over (a repack source, a retiring rollout);
+        admissions are held until `release()`."""
+        with self.lock:
+            states = self.engine.abort(list(self.in_flight))
+            moved = [Unfinished(s, self.in_flight.pop(s.request_id)[1]) for s in states]
+            for m in moved:
+                self.streamed.pop(m.request.request_id, None)
+            self.held, self.draining = True, False
+            self.counters.exported += len(moved)
+            return moved
+
+    def adopt(self, moved: list[Unfinished]) -> bool:
+        """Continue trajectories from elsewhere (repack destination, failover). Unless the
+        policy mixes versions, refuses if any was started by weights other than this engine's."""
+        with self.lock:
+            version = self.engine.version
+            if not self.policy.mixes_versions and any(
+                    m.request.version not in (None, version) for m in moved):
+                return False
+            for m in moved:
+                req = m.request
+                req.finish_reason = None
+                self.engine.add(req)
+                self.in_flight[req.request_id] = (req, m.group)
+                self.streamed[req.request_id] = len(req.output_ids)
+                self.counters.reprefill_tokens += req.num_tokens
+            self.counters.adopted += len(moved)
+        self.wake.set()
+        return True
+
+    def release(self) -> None:
+        with self.lock:
+            self.held = False
+        self.wake.set()

@@ -1,0 +1,266 @@
+"""The processes of DESIGN.md §3 as Ray actors, on an embedded or an existing cluster.
+
+    with ClusterRuntime(cfg, model_dir, start_version, policy) as rt:   # starts everything
+        rt.wait(rt.generate(32), "generation")                           # the driver API
+
+- `ray.init()` with the dashboard off starts an embedded local cluster unless
+  `cluster.address` names one to join.
+- `place` (placement.py, pure) decides which relay each rollout pulls from: one relay per
+  node; on one machine `cluster.virtual_nodes: K` gives K relay processes, each serving its
+  share of the rollouts, so the chain is real.
+- Actors: the three pools (one each), the relay group (laminar/runtime/relays.py), one
+  `RolloutActor` per rollout, the `TrainerActor` (restarted by Ray after a crash), the
+  `ManagerActor`. The rollout loops and the manager's health loop start here; the schedule's
+  driver (laminar/modes/<mode>.py) only says where it waits.
+- Every wait fails after `cluster.wait_timeout_s` naming the stuck component; a trainer that
+  died surfaces as `TrainerRestarted`, so the driver can make its call again.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import uuid
+from functools import partial
+from typing import Any
+
+import ray
+
+from laminar.config import Config
+from laminar.rollout.policy import Policy
+from laminar.runtime import TrainerRestarted
+from laminar.runtime.placement import place
+from laminar.types import RolloutSnapshot
+
+LIGHT = {"num_cpus": 0}
+THREADED = {"num_cpus": 0, "max_concurrency": 8}
+
+
+class ClusterRuntime:
+    def __init__(self, cfg: Config, model_dir: str, start_version: int, policy: Policy) -> None:
+        self.cfg, self.model_dir, self.start_version, self.policy = cfg, model_dir, start_version, policy
+        self.started_ray = False
+        self.relays = None
+        self.workers: dict[str, Any] = {}
+        self.trainer = self.manager = None
+        self.pools: dict[str, Any] = {}
+
+    def __enter__(self) -> "ClusterRuntime":
+        try:
+            self.start()
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------------- start
+
+    def start(self) -> None:
+        from laminar.manager.actor import ManagerActor
+        from laminar.models.builder import load_tokenizer
+        from laminar.models.tokenizer import encode_prompt
+        from laminar.pools.experience import ExperienceBuffer
+        from laminar.pools.partials import PartialPool
+        from laminar.pools.prompts import PromptPool, PromptSampler
+        from laminar.runtime.relays import RelayGroup
+        from laminar.tasks import build_task
+        from laminar.trainer.actor import TrainerActor
+
+        cfg = self.cfg
+        self._init_ray()
+        self.job = uuid.uuid4().hex[:8]
+        secret = (os.environ.get(cfg.relay.secret_env) or secrets.token_hex(16)).encode()
+        tokenizer = load_tokenizer(self.model_dir)
+        task = build_task(cfg.task)
+        sampler = PromptSampler(task.train, partial(encode_prompt, tokenizer), cfg.rollout.group_size,
+                                seed=cfg.task.seed)
+        # named, so that a restarted trainer finds them by name
+        self.names = {k: f"laminar-{self.job}-{k}" for k in ("prompts", "partials", "buffer", "trainer")}
+        self.pools = {
+            "prompts": ray.remote(PromptPool).options(**LIGHT, name=self.names["prompts"]).remote(
+                sampler, 2 * cfg.cluster.wait_timeout_s, self.policy.max_outstanding),
+            "partials": ray.remote(PartialPool).options(**LIGHT, name=self.names["partials"]).remote(),
+            "buffer": ray.remote(ExperienceBuffer).options(**LIGHT, name=self.names["buffer"]).remote(
+                cfg.rollout.group_size),
+        }
+        self.placement = place(cfg.rollout.num_workers, cfg.cluster.virtual_nodes, self._cluster_nodes())
+        options = {r: self._pin(n) for r, n in self.placement.relay_node.items()}
+        self.relays = RelayGroup(self.placement.relay_ids, self.job, secret, cfg.relay, options)
+        for wid in self.placement.worker_relay:
+            self.workers[wid] = self._start_rollout(wid)
+        self.trainer = ray.remote(TrainerActor).options(
+            **THREADED, name=self.names["trainer"], max_restarts=cfg.trainer.max_restarts).remote(
+            cfg, self.model_dir, self.relays.plan.to_dict(), secret, self.names)
+        repack = cfg.manager.repack and self.policy.repacks
+        self.manager = ray.remote(ManagerActor).options(**THREADED).remote(
+            cfg, self.workers, dict(self.placement.worker_relay), self.pools, self.relays,
+            self.names["trainer"], repack, self.policy.mixes_versions)
+        self.wait_all({f"rollout worker {w}": h.snapshot.remote() for w, h in self.workers.items()}
+                      | {"trainer": self.trainer.metrics_since.remote(0),
+                         "rollout manager": self.manager.stats.remote()})
+        self.wait_all({f"start of {w}": h.start.remote() for w, h in self.workers.items()})
+        self.manager_loop = self.manager.run_loop.remote()
+
+    def _start_rollout(self, wid: str) -> Any:
+        from laminar.rollout.actor import RolloutActor
+
+        relay_id = self.placement.worker_relay[wid]
+        return ray.remote(RolloutActor).options(**THREADED, **self._pin(self.placement.relay_node[relay_id])).remote(
+            wid, self.cfg, self.model_dir, self.relays.infos[relay_id].to_dict(), self.pools,
+            self.policy, self.start_version)
+
+    def _init_ray(self) -> None:
+        if ray.is_initialized():
+            return
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        if self.cfg.cluster.address:
+            ray.init(address=self.cfg.cluster.address, include_dashboard=False,
+                     log_to_driver=True, configure_logging=False)
+        else:
+            ray.init(num_cpus=self.cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
+                     log_to_driver=True, configure_logging=False)
+        self.started_ray = True
+
+    def _cluster_nodes(self) -> list[str] | None:
+        if not self.cfg.cluster.address:
+            return None
+        return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+
+    @staticmethod
+    def _pin(node: str | None) -> dict[str, Any]:
+        if node is None:
+            return {}
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+
+    def add_worker(self) -> str:
+        """Elasticity: one more rollout on the next (virtual) node. It starts with the starting
+        weights, pulls the newest version from its relay before generating (its policy says
+        so), and is registered with the manager."""
+        wid = f"rollout{len(self.placement.worker_relay)}"
+        relay_id = self.placement.relay_ids[len(self.placement.worker_relay) % len(self.placement.relay_ids)]
+        self.placement.worker_relay[wid] = relay_id
+        handle = self._start_rollout(wid)
+        self.wait_all({f"rollout worker {wid}": handle.snapshot.remote()})
+        ray.get(self.manager.add_rollout.remote(wid, handle, relay_id))
+        ray.get(handle.start.remote())
+        self.workers[wid] = handle
+        return wid
+
+    def retire_worker(self, wid: str) -> int:
+        """Elasticity: a rollout leaves; its in-flight work moves to peers first."""
+        moved = self.wait(self.manager.retire.remote(wid), f"retirement of {wid}")
+        self.workers.pop(wid, None)
+        return moved
+
+    # ------------------------------------------------------------------------- the driver API
+
+    def _live(self) -> dict[str, Any]:
+        dead = set(self.manager_stats()["dead"])
+        return {w: h for w, h in self.workers.items() if w not in dead}
+
+    def generate(self, num_groups: int) -> list[Any]:
+        """Deal one global batch out to the live rollouts, evenly; returns the pending calls."""
+        workers = list(self._live().values())
+        share = [num_groups // len(workers) + (i < num_groups % len(workers)) for i in range(len(workers))]
+        return [w.generate_groups.remote(n) for w, n in zip(workers, share) if n]
+
+    def sync_weights(self, version: int) -> None:
+        """Every rollout gets to `version` before anyone goes on (its policy says what becomes
+        of work in flight)."""
+        self.wait_all({f"weight sync of {w}": h.sync_to.remote(version) for w, h in self._live().items()})
+
+    def train(self, method: str) -> Any:
+        """Start a trainer call: train_once | train_streaming | train_next | run."""
+        if method == "run":
+            return self.trainer.run.remote(self.cfg.trainer.total_steps)
+        return getattr(self.trainer, method).remote()
+
+    def wait(self, pending: Any, what: str) -> Any:
+        if isinstance(pending, list):
+            return list(self.wait_all({f"{what} part {i}": p for i, p in enumerate(pending)}).values())
+        return self.wait_all({what: pending})[what]
+
+    def wait_all(self, refs: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """ray.get every ref; on timeout, fail naming the components that did not answer."""
+        timeout_s = timeout_s or self.cfg.cluster.wait_timeout_s
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        stuck = [n for n, ref in refs.items() if ref not in ready]
+        if stuck:
+            raise TimeoutError(f"no answer within {timeout_s:.0f}s (cluster.wait_timeout_s) from: "
+                               f"{', '.join(stuck)}")
+        return {n: ray.get(ref) for n, ref in refs.items()}
+
+    def ready(self, pending: Any, timeout_s: float) -> bool:
+        return bool(ray.wait([pending], timeout=timeout_s)[0])
+
+    def result(self, pending: Any) -> Any:
+        try:
+            return ray.get(pending)
+        except ray.exceptions.RayActorError:
+            raise TrainerRestarted("the trainer died; Ray restarts it from its newest checkpoint") from None
+
+    def trainer_rows(self, since: int) -> list[dict[str, Any]]:
+        try:
+            return ray.get(self.trainer.metrics_since.remote(since), timeout=self.cfg.cluster.wait_timeout_s)
+        except ray.exceptions.RayActorError:
+            raise TrainerRestarted("the trainer is restarting") from None
+
+    def trainer_pid(self) -> int:
+        return ray.get(self.trainer.pid.remote())
+
+    def snapshots(self) -> dict[str, RolloutSnapshot]:
+        """Rollouts that answer within 10 s (a dead one is the manager's to report)."""
+        refs = {w: h.snapshot.remote() for w, h in self.workers.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=10)
+        out = {}
+        for w, ref in refs.items():
+            if ref in ready:
+                try:
+                    out[w] = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    pass
+        return out
+
+    def manager_stats(self) -> dict[str, Any]:
+        return ray.get(self.manager.stats.remote(), timeout=60)
+
+    def finish(self) -> dict[str, Any]:
+        """Stop the manager and every rollout loop (what reached the buffer is confirmed first);
+        where every leased prompt group ended up."""
+        self.manager.stop.remote()
+        ray.wait([self.manager_loop], timeout=self.cfg.cluster.wait_timeout_s)
+        refs = {w: h.stop.remote() for w, h in self.workers.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.cfg.cluster.wait_timeout_s)
+        for w, ref in refs.items():
+            if ref not in ready:
+                raise TimeoutError(f"rollout loop {w} did not stop within cluster.wait_timeout_s")
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                pass  # died or retired: the manager's report says which
+        return {"prompts": ray.get(self.pools["prompts"].accounting.remote()),
+                "buffer": ray.get(self.pools["buffer"].counts.remote()),
+                "manager": self.manager_stats()}
+
+    # ------------------------------------------------------------------------- stop
+
+    def shutdown(self) -> None:
+        if not ray.is_initialized():
+            return
+        if self.relays is not None:
+            self.relays.shutdown()
+            self.relays = None
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False
+            return
+        # a shared cluster (tests, a user's cluster) stays up: remove only this job's actors
+        for handle in [*self.workers.values(), self.trainer, self.manager, *self.pools.values()]:
+            if handle is not None:
+                ray.kill(handle, no_restart=True)
+        self.workers = {}

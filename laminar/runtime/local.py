@@ -1,0 +1,182 @@
+"""The runtime in one process (`cluster.backend: local`): no Ray, no relays, no threads.
+
+The same `RolloutLoop`s (with the in-process doors of laminar/rollout/io.py), the same
+`TrainerService` and the same pools as on a cluster; weights go from the trainer to the
+rollouts through a `WeightBoard`. Every driver call runs to completion before it returns:
+`generate` steps the loops until the batch is in the buffer, `sync_weights` until every loop
+holds the version. So a schedule whose waits come one after another (sync) runs unchanged;
+one that needs rollouts and trainer to run at once needs `cluster.backend: ray`.
+
+It also scores the held-out prompts greedily at the start and at the end (`before_*` and
+`after_*` in the report), with the first rollout's engine.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from functools import partial
+from typing import Any
+
+import torch
+
+from laminar.config import Config
+from laminar.engine import build_engine
+from laminar.models import load_pretrained
+from laminar.models.tokenizer import encode_prompt
+from laminar.pools.experience import ExperienceBuffer
+from laminar.pools.partials import PartialPool
+from laminar.pools.prompts import PromptPool, PromptSampler
+from laminar.rollout.finish import Finisher
+from laminar.rollout.io import (BoardWeights, LocalBuffer, LocalPartials, LocalPrompts, RolloutIO,
+                                WeightBoard)
+from laminar.rollout.loop import RolloutLoop
+from laminar.rollout.policy import Policy
+from laminar.rollout.requests import sampling_params
+from laminar.tasks import build_task
+from laminar.tasks.evaluate import evaluate
+from laminar.trainer.service import TrainerService
+from laminar.types import RolloutSnapshot, Trajectory
+
+
+class LocalTrainerData:
+    def __init__(self, prompts: PromptPool, buffer: ExperienceBuffer) -> None:
+        self.prompts, self.buffer = prompts, buffer
+
+    def sample(self, num_groups: int, trainer_version: int) -> list[list[Trajectory]] | None:
+        return self.buffer.sample(num_groups, trainer_version)
+
+    def consumed(self, num_groups: int) -> None:
+        self.prompts.mark_consumed(num_groups)
+
+    def ack(self) -> None:
+        self.buffer.ack()
+
+    def requeue_unacked(self) -> int:
+        return self.buffer.requeue_unacked()
+
+    def counts(self) -> dict[str, int]:
+        return self.buffer.counts()
+
+    def prompt_state(self) -> dict[str, Any]:
+        return self.prompts.state_dict()
+
+    def load_prompt_state(self, state: dict[str, Any]) -> None:
+        self.prompts.load_state_dict(state)
+
+
+class BoardPush:
+    def __init__(self, board: WeightBoard) -> None:
+        self.board = board
+
+    def push(self, named: dict[str, torch.Tensor], version: int) -> float:
+        t0 = time.perf_counter()
+        self.board.publish(named, version)
+        return time.perf_counter() - t0
+
+
+class Done:
+    """A driver call that has already run."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class LocalRuntime:
+    def __init__(self, cfg: Config, model_dir: str, start_version: int, policy: Policy) -> None:
+        self.cfg, self.model_dir, self.start_version, self.policy = cfg, model_dir, start_version, policy
+
+    def __enter__(self) -> "LocalRuntime":
+        cfg = self.cfg
+        self.task = build_task(cfg.task)
+        if self.task.load_report:
+            print(self.task.load_report.summary())
+        model, self.tokenizer = load_pretrained(self.model_dir, cfg.model.attn_implementation)
+        sampler = PromptSampler(self.task.train, partial(encode_prompt, self.tokenizer),
+                                cfg.rollout.group_size, seed=cfg.task.seed)
+        self.prompts = PromptPool(sampler, 2 * cfg.cluster.wait_timeout_s, self.policy.max_outstanding)
+        self.partials = PartialPool()
+        self.buffer = ExperienceBuffer(cfg.rollout.group_size)
+        self.board = WeightBoard()
+        self.trainer = TrainerService(cfg, self.model_dir, LocalTrainerData(self.prompts, self.buffer),
+                                      BoardPush(self.board))
+        self.loops = [self._loop(f"rollout{i}", model if i == 0 else None)
+                      for i in range(cfg.rollout.num_workers)]
+        self.before = evaluate(self.loops[0].engine, self.tokenizer, self.task, cfg.rollout.max_new_tokens)
+        print(f"{cfg.mode} mode in one process: {cfg.trainer.total_steps} steps x "
+              f"{cfg.trainer.prompts_per_step} prompts x {cfg.rollout.group_size} samples; held-out "
+              f"exact match {self.before['eval_exact_match']:.2f}, reward {self.before['eval_reward']:.3f}")
+        return self
+
+    def _loop(self, rollout_id: str, model: Any) -> RolloutLoop:
+        cfg = self.cfg
+        if model is None:
+            model, _ = load_pretrained(self.model_dir, cfg.model.attn_implementation)
+        seed = zlib.crc32(f"{cfg.trainer.seed}/{rollout_id}".encode())
+        engine = build_engine(cfg.rollout.engine, model.eval(), self.tokenizer.eos_token_id,
+                              self.tokenizer.pad_token_id, self.start_version, seed)
+        io = RolloutIO(LocalPrompts(self.prompts), LocalPartials(self.partials),
+                       LocalBuffer(self.buffer), BoardWeights(self.board))
+        finisher = Finisher(self.task, self.tokenizer, cfg.rollout.env_latency, seed)
+        return RolloutLoop(rollout_id, engine, io, self.policy, finisher, sampling_params(cfg),
+                           cfg.rollout, cfg.cluster.heartbeat_s)
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    # ------------------------------------------------------------------------- the driver API
+
+    def _pump(self, done: Any, what: str) -> None:
+        deadline = time.monotonic() + self.cfg.cluster.wait_timeout_s
+        while not done():
+            if not any([loop.step() for loop in self.loops]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{what} did not finish within cluster.wait_timeout_s="
+                                       f"{self.cfg.cluster.wait_timeout_s:.0f}s")
+                time.sleep(0.001)
+
+    def generate(self, num_groups: int) -> Done:
+        n = len(self.loops)
+        for i, loop in enumerate(self.loops):
+            loop.request_groups(num_groups // n + (i < num_groups % n))
+        self._pump(lambda: all(loop.batch_done for loop in self.loops), "generation")
+        return Done(num_groups)
+
+    def sync_weights(self, version: int) -> None:
+        for loop in self.loops:
+            loop.request_version(version)
+        self._pump(lambda: all(loop.holds_version(version) for loop in self.loops),
+                   f"the weight sync to version {version}")
+
+    def train(self, method: str) -> Done:
+        if method == "run":
+            return Done(self.trainer.run(self.cfg.trainer.total_steps))
+        return Done(getattr(self.trainer, method)())
+
+    def wait(self, pending: Done, what: str) -> Any:
+        return pending.value
+
+    def ready(self, pending: Done, timeout_s: float) -> bool:
+        return True
+
+    def result(self, pending: Done) -> Any:
+        return pending.value
+
+    def trainer_rows(self, since: int) -> list[dict[str, Any]]:
+        return self.trainer.metrics_since(since)
+
+    def snapshots(self) -> dict[str, RolloutSnapshot]:
+        return {loop.id: loop.snapshot() for loop in self.loops}
+
+    def manager_stats(self) -> dict[str, Any]:
+        return {"repacks": 0, "moved_trajectories": 0, "dead": [], "chain": [],
+                "workers": [loop.id for loop in self.loops]}
+
+    def finish(self) -> dict[str, Any]:
+        for loop in self.loops:
+            loop.settle(timeout_s=self.cfg.cluster.wait_timeout_s)
+        after = evaluate(self.loops[0].engine, self.tokenizer, self.task, self.cfg.rollout.max_new_tokens)
+        return {"prompts": self.prompts.accounting(), "buffer": self.buffer.counts(),
+                "manager": self.manager_stats(),
+                **{"before_" + k: v for k, v in self.before.items()},
+                **{"after_" + k: v for k, v in after.items()}}

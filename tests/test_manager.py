@@ -1,0 +1,205 @@
+"""The rollout manager's decision loop without Ray: hand-built snapshots, a fleet and pools
+that record what they are asked. Repack, refused moves, failover (same version, restart from
+scratch), deadlines, expired leases, relay death; and the pure health functions."""
+
+from __future__ import annotations
+
+import time
+
+from laminar.config import load_config
+from laminar.manager.health import assign_unfinished, overdue, repoint
+from laminar.manager.manager import RolloutManager
+from laminar.pools.partials import PartialEntry
+from laminar.types import (GenerationRequest, PromptGroup, PromptItem, RolloutCounters,
+                           RolloutSnapshot, Unfinished)
+
+CFG = load_config(None, ["cluster.heartbeat_s=0.5", "manager.batch_bound=8"])
+GROUP = PromptGroup("g0", PromptItem(0, "ab=", "ba"), [1, 5, 6], 2)
+
+
+def snap(rid: str, version: int = 0, kv: int = 100, n: int = 1, draining: bool = True,
+         held: bool = False, waiting: int = 0) -> RolloutSnapshot:
+    return RolloutSnapshot(rid, version, n, 0, n, waiting, kv, 1000, held, draining, RolloutCounters())
+
+
+def unfinished(rid: str, version: int | None = 0, tokens: int = 3) -> Unfinished:
+    return Unfinished(GenerationRequest(rid, [1, 5, 6], output_ids=[7] * tokens, logprobs=[-0.5] * tokens,
+                                        token_versions=[version] * tokens, version=version), GROUP)
+
+
+class Fleet:
+    def __init__(self, snaps: dict[str, RolloutSnapshot], refuse: set[str] = frozenset()) -> None:
+        self.snaps, self.refuse, self.gone = snaps, set(refuse), set()
+        self.silent: set[str] = set()
+        self.calls: list[tuple] = []
+        self.held: dict[str, list[Unfinished]] = {r: [unfinished(f"{r}-t")] for r in snaps}
+
+    def snapshots(self, ids, timeout_s):
+        live = {r: self.snaps[r] for r in ids if r in self.snaps and r not in self.gone | self.silent}
+        return live, [r for r in ids if r in self.gone]
+
+    def export(self, rid):
+        self.calls.append(("export", rid))
+        return self.held.pop(rid, [])
+
+    def adopt(self, rid, moved):
+        self.calls.append(("adopt", rid, [m.request.request_id for m in moved]))
+        return rid not in self.refuse
+
+    def release(self, rid):
+        self.calls.append(("release", rid))
+
+    def stop(self, rid):
+        self.calls.append(("stop", rid))
+
+    def drop(self, rid):
+        self.calls.append(("drop", rid))
+
+    def set_relay(self, rid, relay):
+        self.calls.append(("set_relay", rid, relay))
+
+
+class Pools:
+    def __init__(self, owned: dict[str, list[PartialEntry]] | None = None) -> None:
+        self.owned, self.expired = owned or {}, set()
+        self.reassigned: list[tuple] = []
+        self.released: list[str] = []
+
+    def owned_by(self, owner):
+        return self.owned.get(owner, [])
+
+    def reassign(self, ids, owner, states):
+        self.reassigned.append((ids, owner, [s.output_ids for s in states]))
+
+    def live_groups(self):
+        return {"g0"}
+
+    def release_owner(self, owner, keep):
+        self.released.append(owner)
+        return ["g9"]
+
+    def expired_owners(self):
+        return set(self.expired)
+
+
+class Relays:
+    def __init__(self) -> None:
+        self.dead: list[str] = []
+        self.chain = ["node0", "node1"]
+
+    def check(self):
+        dead, self.dead = self.dead, []
+        self.chain = [r for r in self.chain if r not in dead]
+        return dead
+
+    @property
+    def order(self):
+        return self.chain
+
+
+def manager(fleet, pools, relays=None, repack=True, mixes=False, placement=None):
+    placement = placement or {r: "node0" for r in fleet.snaps}
+    return RolloutManager(CFG, fleet, pools, relays, placement, repack, mixes)
+
+
+def test_repack_moves_the_sparser_draining_rollout_to_the_denser_one():
+    fleet = Fleet({"a": snap("a", kv=100), "b": snap("b", kv=300), "c": snap("c", draining=False)})
+    pools = Pools()
+    m = manager(fleet, pools)
+    m.check_once()
+    assert fleet.calls == [("export", "a"), ("adopt", "b", ["a-t"]), ("release", "a")]
+    assert pools.reassigned == [(["a-t"], "b", [[7, 7, 7]])]
+    assert m.counters["repacks"] == 1 and m.counters["moved_trajectories"] == 1
+
+
+def test_no_repack_across_versions_for_a_held_or_admitting_rollout_or_when_off():
+    for snaps in ({"a": snap("a", version=1), "b": snap("b", version=2)},
+                  {"a": snap("a", held=True), "b": snap("b")},
+                  {"a": snap("a", waiting=2), "b": snap("b")}):
+        fleet = Fleet(snaps)
+        manager(fleet, Pools()).check_once()
+        assert fleet.calls == []
+    fleet = Fleet({"a": snap("a"), "b": snap("b", kv=300)})
+    manager(fleet, Pools(), repack=False).check_once()
+    assert fleet.calls == []
+
+
+def test_a_refused_move_goes_back_to_its_source():
+    fleet = Fleet({"a": snap("a", kv=100), "b": snap("b", kv=300)}, refuse={"b"})
+    pools = Pools()
+    m = manager(fleet, pools)
+    m.check_once()
+    assert fleet.calls == [("export", "a"), ("adopt", "b", ["a-t"]), ("adopt", "a", ["a-t"]),
+                           ("release", "a")]
+    assert pools.reassigned == [] and m.counters["refused_moves"] == 1
+
+
+def test_a_dead_rollouts_work_continues_on_a_same_version_peer_or_restarts():
+    fleet = Fleet({"a": snap("a", version=3, draining=False), "b": snap("b", version=4, draining=False),
+                   "dead": snap("dead", version=3)})
+    fleet.gone.add("dead")
+    same, other = unfinished("t-same", version=3), unfinished("t-old", version=2)
+    pools = Pools({"dead": [PartialEntry(same.request, GROUP, "dead"),
+                            PartialEntry(other.request, GROUP, "dead")]})
+    m = manager(fleet, pools)
+    m.check_once()
+    assert ("drop", "dead") in fleet.calls
+    # t-same to the rollout holding version 3, as it is; nobody holds version 2: t-old starts
+    # from scratch on the first live rollout
+    assert pools.reassigned == [(["t-same", "t-old"], "a", [[7, 7, 7], []])]
+    assert m.counters["dead_workers"] == 1 and m.counters["restarted_trajectories"] == 1
+    assert pools.released == ["dead"] and m.dead == ["dead"] and "dead" not in m.stats()["workers"]
+
+
+def test_a_silent_rollout_is_dead_after_three_heartbeats_and_expired_leases_are_read():
+    fleet = Fleet({"a": snap("a", draining=False), "b": snap("b", draining=False)})
+    pools = Pools()
+    m = manager(fleet, pools)
+    fleet.silent.add("b")
+    m.check_once()
+    assert m.dead == []  # one missed answer is not death
+    m.last_seen["b"] = time.monotonic() - 3 * CFG.cluster.heartbeat_s - 0.1
+    m.check_once()
+    assert m.dead == ["b"]
+    pools.expired = {"left-long-ago", "a"}  # a live rollout that stopped renewing: hung
+    m.check_once()
+    assert m.dead == ["b", "a"] and "left-long-ago" in pools.released
+
+
+def test_rollouts_of_a_dead_relay_pull_from_a_live_one():
+    fleet = Fleet({"a": snap("a", draining=False), "b": snap("b", draining=False)})
+    relays = Relays()
+    m = manager(fleet, Pools(), relays, placement={"a": "node0", "b": "node1"})
+    relays.dead = ["node1"]
+    assert m.check_relays() == ["node1"]
+    assert fleet.calls == [("set_relay", "b", "node0")]
+    assert m.stats()["chain"] == ["node0"] and m.counters["dead_relays"] == 1
+
+
+def test_retire_moves_the_work_and_stops_the_rollout():
+    fleet = Fleet({"a": snap("a", draining=False), "b": snap("b", draining=False)})
+    pools = Pools()
+    m = manager(fleet, pools)
+    assert m.retire("a") == 1
+    assert fleet.calls[:3] == [("export", "a"), ("stop", "a"), ("adopt", "b", ["a-t"])]
+    assert m.stats()["workers"] == ["b"] and pools.released == ["a"]
+
+
+# ------------------------------------------------------------------------- pure functions
+
+
+def test_assign_unfinished_spreads_work_and_keeps_versions():
+    moved = [unfinished(f"t{i}", version=1) for i in range(4)] + [unfinished("fresh", version=None)]
+    plan, restarted = assign_unfinished(moved, {"a": 1, "b": 1, "c": 2}, mixes_versions=False)
+    assert restarted == 0
+    assert sorted(m.request.request_id for m in plan["a"]) == ["fresh", "t0", "t2"]
+    assert sorted(m.request.request_id for m in plan["b"]) == ["t1", "t3"]
+    mixed, restarted = assign_unfinished([unfinished("t", version=0)], {"c": 2}, mixes_versions=True)
+    assert restarted == 0 and mixed["c"][0].request.output_ids == [7, 7, 7]  # continues as it is
+    assert assign_unfinished(moved, {}, False) == ({}, 0)
+
+
+def test_overdue_and_repoint():
+    assert overdue({"a": 10.0, "b": 1.0}, now=11.0, limit_s=5.0) == ["b"]
+    assert repoint({"r0": "n0", "r1": "n1", "r2": "n1"}, ["n1"], ["n0", "n2"]) == {"r1": "n0", "r2": "n2"}
+    assert repoint({"r0": "n0"}, ["n0"], []) == {}
