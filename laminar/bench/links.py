@@ -23,8 +23,7 @@ import socket
 import subprocess
 import time
 
-from laminar.relay.store import VersionBuffer
-from laminar.relay.transport import FRAME, CHUNK, LinkError, TcpLink, TcpTransport
+from laminar.relay.transport import TcpLink, TcpTransport
 
 SLICE = 256 << 10  # throttled sends go out in slices of this size
 
@@ -142,19 +141,11 @@ class ThrottledLink(TcpLink):
             self.bucket.consume(len(part))
             super().send_raw(part)
 
-    def send_chunk(self, buf: VersionBuffer, i: int) -> None:
-        a, b = buf.header.chunk_range(i)
-        head = FRAME.pack(CHUNK, buf.header.checksums[i], buf.version, i, b - a)
-        offset = buf.header.data_offset + a
-        try:
-            with self._send_lock:
-                self.sock.sendall(head)
-                for at in range(0, b - a, SLICE):
-                    n = min(SLICE, b - a - at)
-                    self.bucket.consume(n)
-                    self.sock.sendfile(buf.file, offset + at, n)
-        except OSError as e:
-            raise LinkError(f"send to {self.peer} failed: {e!r}") from None
+    def _sendfile(self, file, offset: int, count: int) -> None:
+        for at in range(0, count, SLICE):
+            n = min(SLICE, count - at)
+            self.bucket.consume(n)
+            self.sock.sendfile(file, offset + at, n)
 
 
 class ThrottledTcp(TcpTransport):

@@ -152,9 +152,12 @@ class TcpLink(Link):
         try:
             with self._send_lock:
                 self.sock.sendall(head)
-                self.sock.sendfile(buf.file, offset, b - a)
+                self._sendfile(buf.file, offset, b - a)
         except OSError as e:
             raise LinkError(f"send to {self.peer} failed: {e!r}") from None
+
+    def _sendfile(self, file, offset: int, count: int) -> None:
+        self.sock.sendfile(file, offset, count)
 
     def recv_into(self, view: memoryview) -> None:
         got, n = 0, len(view)
