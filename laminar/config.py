@@ -207,6 +207,9 @@ class TrainerConfig(Section):
     bf16: bool = Field(False, description="bfloat16 autocast for forward/backward (fp32 master weights).")
     resume: str | None = Field(None, description="Checkpoint directory to resume from.")
     seed: int = Field(0, description="Seed of the trainer and the sampling RNG.")
+    eval_every: int = Field(10, ge=0, description="Held-out evaluation (greedy and sampled, on "
+                            "task.eval_prompts prompts) every N trainer steps, run by a rollout "
+                            "while the trainer goes on; also at the start and the end (0 = only then).")
 
 
 class SFTConfig(Section):
@@ -250,6 +253,17 @@ class RelayConfig(Section):
         return self
 
 
+class MetricsConfig(Section):
+    tensorboard: bool = Field(True, description="Write TensorBoard event files to RUN_DIR/tensorboard "
+                              "(no server needed; `tensorboard --logdir RUN_DIR`).")
+    wandb: bool = Field(False, description="Log to Weights & Biases (needs `pip install wandb`).")
+    wandb_project: str = Field("laminar", description="W&B project name.")
+    mlflow: bool = Field(False, description="Log to MLflow (needs `pip install mlflow`).")
+    mlflow_tracking_uri: str | None = Field(None, description="MLflow tracking URI; unset = ./mlruns.")
+    live: Literal["auto", "on", "off"] = Field("auto", description="Live view during training: "
+                                               "`auto` = when stdout is a terminal, else plain lines.")
+
+
 class Config(Section):
     name: str = Field("reverse", description="Run name; the default run directory is runs/<name>.")
     run_dir: str | None = Field(None, description="Where metrics and checkpoints go.")
@@ -263,6 +277,8 @@ class Config(Section):
     manager: ManagerConfig = Field(default_factory=ManagerConfig, description="Rollout manager.")
     relay: RelayConfig = Field(default_factory=RelayConfig,
                                description="Relay tier: shared-memory weight store and chain broadcast.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig,
+                                   description="Where metrics go besides RUN_DIR/metrics.jsonl.")
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "Config":

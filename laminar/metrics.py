@@ -40,9 +40,16 @@ def set_aside(path: Path) -> None:
         path.rename(path.with_name(f"{path.stem}.{stamp}{path.suffix}"))
 
 
+KINDS = ("step", "eval", "span", "event")  # the rows of RUN_DIR/metrics.jsonl (docs/metrics.md)
+
+
 class MetricsLogger:
+    """RUN_DIR/metrics.jsonl: one JSON object a line, each with a `kind` (KINDS) and `time`
+    (seconds since the run started); every row also goes to the `sinks` (TensorBoard, W&B,
+    MLflow: laminar/sinks.py), each an object with `write(row)` and `close()`."""
+
     def __init__(self, run_dir: str | Path, total_steps: int, console: bool = True,
-                 fresh: bool = True) -> None:
+                 fresh: bool = True, sinks: list[Any] | None = None) -> None:
         """`fresh`: a new run; an earlier run's metrics in the same directory are kept aside
         as metrics.<time>.jsonl rather than mixed in (a resumed run appends instead)."""
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -51,21 +58,46 @@ class MetricsLogger:
             set_aside(self.path)
         self.total_steps = total_steps
         self.console = console
+        self.sinks = list(sinks or [])
         self.t0 = time.time()
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
-        record = {"step": step, "time": round(time.time() - self.t0, 3), **metrics}
+    def since_start(self, unix_time: float) -> float:
+        return round(unix_time - self.t0, 3)
+
+    def write(self, kind: str, row: dict[str, Any]) -> dict[str, Any]:
+        """Append one row (`time` defaults to now); returns it as written."""
+        record = {"kind": kind, "time": self.since_start(time.time()), **row}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.write(record)
+        return record
+
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        record = self.write("step", {"step": step, **metrics})
         if self.console:
             cols = [f"{name} {metrics[key]:{fmt}}" for name, key, fmt in CONSOLE
                     if metrics.get(key) is not None]
             print(f"step {step:>4}/{self.total_steps} | " + " | ".join(cols), flush=True)
+        return record
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+
+def read_rows(run_dir: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The rows of RUN_DIR/metrics.jsonl, all or one kind's (a row without `kind`, from a run
+    before kinds existed, is a step row)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return rows if kind is None else [r for r in rows if r.get("kind", "step") == kind]
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The trainer-step rows."""
+    return read_rows(run_dir, "step")
 
 
 def reward_trend(rows: list[dict[str, Any]], window: int = 10) -> tuple[float, float]:

@@ -12,6 +12,7 @@ import pytest
 import ray
 
 from laminar.config import load_config
+from laminar.metrics import read_metrics
 from laminar.modes import MODES, run_training, schedule
 from laminar.modes.common import start_weights
 from laminar.runtime.cluster import ClusterRuntime
@@ -42,7 +43,7 @@ def _trained(run_dir):
 def test_every_mode_reaches_n_steps_and_loses_nothing(mode, tmp_path, ray_cluster):
     cfg = load_config(None, TINY + [f"mode={mode}", f"run_dir={tmp_path}"])
     report = run_training(cfg)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
 
     trained = _trained(tmp_path)

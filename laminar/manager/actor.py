@@ -99,6 +99,10 @@ class RayRelays:
     def order(self) -> list[str]:
         return list(self.group.plan.order)
 
+    @property
+    def latest(self) -> dict[str, int | None]:
+        return {r: self.group.latest.get(r) for r in self.group.plan.order}
+
 
 class ManagerActor(RolloutManager):
     def __init__(self, cfg: Config, rollouts: dict[str, Any], rollout_relay: dict[str, str],

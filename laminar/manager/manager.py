@@ -73,6 +73,9 @@ class Relays(Protocol):
     @property
     def order(self) -> list[str]: ...  # the chain now, master first
 
+    @property
+    def latest(self) -> dict[str, int | None]: ...  # the newest version each relay held at the last check
+
 
 class RolloutManager:
     def __init__(self, cfg: Config, fleet: Fleet, pools: ManagerPools, relays: Relays | None,
@@ -102,7 +105,8 @@ class RolloutManager:
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "dead": list(self.dead), "workers": sorted(self.rollout_relay),
-                "chain": list(self.relays.order) if self.relays is not None else []}
+                "chain": list(self.relays.order) if self.relays is not None else [],
+                "relay_versions": dict(self.relays.latest) if self.relays is not None else {}}
 
     # ------------------------------------------------------------------------- health
 

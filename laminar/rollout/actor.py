@@ -12,6 +12,7 @@ fire-and-forget (Ray keeps one caller's calls to one actor in order).
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -25,6 +26,7 @@ from laminar.config import Config
 from laminar.engine import build_engine
 from laminar.models import load_pretrained
 from laminar.pools.partials import TokenUpdate
+from laminar.rollout.evals import EvalJob, Evaluator
 from laminar.rollout.finish import Finisher
 from laminar.rollout.io import Registration, RelayWeights, RolloutIO
 from laminar.rollout.loop import RolloutLoop
@@ -110,8 +112,11 @@ class RolloutActor:
                        RayBuffer(pools["buffer"]), RelayWeights(relay, cfg.relay))
         task = Task(cfg.task.name, [], [], resolve_reward(cfg.task.reward))
         finisher = Finisher(task, tokenizer, cfg.rollout.env_latency, seed)
+        evaluator = Evaluator(lambda: build_engine(
+            cfg.rollout.engine, copy.deepcopy(engine.model), tokenizer.eos_token_id,
+            tokenizer.pad_token_id, engine.version, seed), tokenizer, task)
         self.loop = RolloutLoop(rollout_id, engine, io, policy, finisher, sampling_params(cfg),
-                                cfg.rollout, cfg.cluster.heartbeat_s)
+                                cfg.rollout, cfg.cluster.heartbeat_s, evaluator)
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -155,6 +160,12 @@ class RolloutActor:
                 raise TimeoutError(f"rollout {self.loop.id} waited cluster.wait_timeout_s="
                                    f"{self.cfg.cluster.wait_timeout_s:.0f}s for {what}")
             time.sleep(0.002)
+
+    def request_eval(self, job: EvalJob) -> None:
+        self.loop.request_eval(job)
+
+    def take_records(self, close: bool = False) -> dict[str, Any]:
+        return self.loop.take_records(close)
 
     # ------------------------------------------------------------------------- the manager
 

@@ -41,6 +41,8 @@ class Finisher:
         self.rng = np.random.default_rng(seed)  # the emulated environment's latencies
         self.waiting: list[tuple[float, str, Trajectory]] = []  # heap by ready time
         self.reward_errors = 0
+        self.delays: list[float] = []  # emulated environment latencies since the last take
+
 
     def add(self, req: GenerationRequest, group: PromptGroup) -> None:
         scored = self.task.score(group.item, decode_response(self.tokenizer, req.output_ids))
@@ -50,6 +52,8 @@ class Finisher:
         if self.env.enabled:
             delay = min(self.env.max_s,
                         self.env.median_s * float(np.exp(self.env.sigma * self.rng.standard_normal())))
+            if len(self.delays) < 4096:
+                self.delays.append(delay)
         heapq.heappush(self.waiting, (time.monotonic() + delay, traj.traj_id, traj))
 
     def ready(self) -> list[Trajectory]:
@@ -57,6 +61,13 @@ class Finisher:
         while self.waiting and self.waiting[0][0] <= now:
             out.append(heapq.heappop(self.waiting)[2])
         return out
+
+    def take_delays(self, at_most: int = 64) -> list[float]:
+        """Up to `at_most` of the environment latencies since the last call, drawn evenly."""
+        out, self.delays = self.delays, []
+        if len(out) > at_most:
+            out = [out[i] for i in np.linspace(0, len(out) - 1, at_most).astype(int)]
+        return [round(d, 4) for d in out]
 
     def __len__(self) -> int:
         return len(self.waiting)

@@ -18,6 +18,9 @@ Each `step()`:
 
 A schedule's driver makes requests (`request_groups`, `request_version`) that the policy then
 acts on; the manager reads `snapshot()` and moves work with `export` / `adopt` / `release`.
+The driver also asks for held-out evaluations (`request_eval`, run by the loop's `Evaluator`,
+evals.py, one engine step per loop step) and takes what the loop recorded for the run's
+metrics (`take_records`: finished evaluations, timeline spans, environment latencies).
 Those calls may come from other threads: one lock covers a whole step and each of them.
 """
 
@@ -30,10 +33,12 @@ from typing import Any
 
 from laminar.config import RolloutConfig
 from laminar.pools.partials import TokenUpdate
+from laminar.rollout.evals import EvalJob, Evaluator
 from laminar.rollout.finish import Finisher
 from laminar.rollout.io import RolloutIO
 from laminar.rollout.policy import LoopState, Policy
 from laminar.rollout.requests import group_requests
+from laminar.rollout.timeline import Timeline
 from laminar.types import (GenerationRequest, PromptGroup, RolloutCounters, RolloutSnapshot,
                            SamplingParams, Unfinished)
 
@@ -49,8 +54,10 @@ IDLE_QUIET_S = 0.01  # nap when nothing is (a request wakes the loop at once)
 class RolloutLoop:
     def __init__(self, rollout_id: str, engine: Any, io: RolloutIO, policy: Policy,
                  finisher: Finisher, params: SamplingParams, cfg: RolloutConfig,
-                 heartbeat_s: float) -> None:
+                 heartbeat_s: float, evaluator: Evaluator | None = None) -> None:
         self.id = rollout_id
+        self.evaluator = evaluator
+        self.timeline = Timeline()
         self.engine, self.io, self.policy, self.finisher = engine, io, policy, finisher
         self.params, self.cfg, self.heartbeat_s = params, cfg, heartbeat_s
         self.in_flight: dict[str, tuple[GenerationRequest, PromptGroup]] = {}
@@ -82,6 +89,21 @@ class RolloutLoop:
             self.sync_to = max(version, self.sync_to or version)
         self.wake.set()
 
+    def request_eval(self, job: EvalJob) -> None:
+        """A held-out evaluation on weights `job.at_least` or newer (needs an evaluator)."""
+        if self.evaluator is None:
+            raise RuntimeError(f"rollout {self.id} has no evaluator; build the loop with one")
+        with self.lock:
+            self.evaluator.queue(job)
+        self.wake.set()
+
+    def take_records(self, close: bool = False) -> dict[str, Any]:
+        """What happened since the last call, for the run's metrics: finished evaluations,
+        timeline spans (`close`: the open one too) and emulated environment latencies."""
+        with self.lock:
+            return {"evals": self.evaluator.take() if self.evaluator else [],
+                    "spans": self.timeline.take(close), "env_latency_s": self.finisher.take_delays()}
+
     def holds_version(self, version: int) -> bool:
         return self.engine.version >= version
 
@@ -103,8 +125,13 @@ class RolloutLoop:
             self._collect_lease()
             self._decide()
             decoded = self._decode()
+            evaluated = self.evaluator.step(self.io.weights) if self.evaluator and self.evaluator.pending else False
             handed = self._hand_on()
-        return decoded or handed
+            if self.engine.has_unfinished():
+                self.timeline.mark("generate", self.engine.version)
+            else:
+                self.timeline.mark("eval" if evaluated else "idle", self.engine.version)
+        return decoded or handed or evaluated
 
     def run(self, stop: threading.Event) -> None:
         """Step until `stop` is set, napping when idle; then settle."""
@@ -130,7 +157,7 @@ class RolloutLoop:
         self.draining = decision.draining
         if decision.interrupt:
             self._interrupt()
-        elif decision.pull and not self.in_flight:
+        elif decision.pull and not self.in_flight:  # the evaluator's engine is its own
             self._load_newest()
         if decision.start and self.leased:
             self._start(self.leased)
@@ -221,9 +248,10 @@ class RolloutLoop:
     # ------------------------------------------------------------------------- weights
 
     def _load_newest(self) -> int | None:
-        t0 = time.perf_counter()
+        t0, wall = time.perf_counter(), time.time()
         version = self.io.weights.load_newest(self.engine, newer_than=self.engine.version)
         if version is not None:
+            self.timeline.add("pull", wall, time.time(), version)
             self.counters.pulls += 1
             self.counters.pull_s += time.perf_counter() - t0
             self.counters.versions.append(version)

@@ -44,6 +44,7 @@ class RelayGroup:
         infos = ray.get([self.actors[i].heartbeat.remote() for i in ids], timeout=60)
         self.infos = {h["id"]: RelayInfo.from_dict(h["info"]) for h in infos}
         self.pids = {h["id"]: h["pid"] for h in infos}
+        self.latest: dict[str, int | None] = {h["id"]: h["latest"] for h in infos}  # at the last check
         self.plan = ChainPlan(tuple(ids), self.infos, 1)
         self._broadcast_plan()
 
@@ -61,7 +62,7 @@ class RelayGroup:
             try:
                 if ref not in ready:
                     raise TimeoutError(f"no heartbeat within {self.cfg.timeout_s}s")
-                ray.get(ref)
+                self.latest[i] = ray.get(ref)["latest"]
             except Exception:  # actor died or hangs: both mean cut it out
                 dead.append(i)
         for i in dead:

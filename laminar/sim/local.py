@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from laminar.metrics import read_metrics
 from laminar.sim import paper
 from laminar.sim.calibration import Calibration
 from laminar.sim.core import Setup
@@ -113,7 +114,7 @@ def measured_throughput(local: dict[str, Any]) -> dict[str, float] | None:
 def block_from_run(run_dir: Path, engine_json: Path, cfg: Any, warmup: int = 2) -> dict[str, Any]:
     """A `local` block from a finished run (metrics.jsonl, trajectories.jsonl), the engine
     benchmark's JSON, and the run's config (worker counts, batch, KV, environment latency)."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    rows = read_metrics(run_dir)
     trajs = [json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines() if x]
     tail = rows[warmup:] or rows
     lens = np.array([t["response_len"] for t in trajs], dtype=float)

@@ -101,6 +101,7 @@ class TrainerService:
             set_aside(cfg.resolved_run_dir / "trajectories.jsonl")
         self.last_update: float | None = None
         self.idle_s = 0.0
+        self.spans: list[list[Any]] = []  # [what, start, end] in Unix seconds, since the last row
         self.stop_event = threading.Event()
 
     @property
@@ -144,12 +145,13 @@ class TrainerService:
 
     def wait_groups(self, num_groups: int) -> list[list[Trajectory]]:
         """Block until the buffer releases `num_groups` complete groups (the trainer's only wait)."""
-        t0 = time.perf_counter()
+        t0, wall = time.perf_counter(), time.time()
         deadline = time.monotonic() + self.cfg.cluster.wait_timeout_s
         while True:
             groups = self.data.sample(num_groups, self.trainer.version)
             if groups is not None:
                 self.idle_s += time.perf_counter() - t0
+                self._span("wait", wall)
                 self.data.consumed(len(groups))
                 return groups
             if self.stop_event.is_set():
@@ -183,7 +185,9 @@ class TrainerService:
             n = min(per_mini, self.cfg.trainer.prompts_per_step - taken)
             trajs += [t for g in self.wait_groups(n) for t in g]
             taken += n
+            wall = time.time()
             self.trainer.train_minibatch(trajs[-n * self.cfg.rollout.group_size:])
+            self._span("train", wall)
         return self._train_and_publish(trajs, already_trained=True)
 
     def run(self, total_steps: int) -> int:
@@ -200,7 +204,7 @@ class TrainerService:
         self.stop_event.set()
 
     def _train_and_publish(self, trajs: list[Trajectory], already_trained: bool = False) -> dict[str, Any]:
-        t0 = time.perf_counter()
+        t0, wall = time.perf_counter(), time.time()
         if already_trained:
             stats = self.trainer.finish_global_batch()
         else:
@@ -210,7 +214,10 @@ class TrainerService:
             self.checkpoint()
         if not every or self.trainer.version % every == 0:
             self.data.ack()  # checkpointed (or no recovery asked for): release the data
+        self._span("train", wall)
+        wall = time.time()
         stall = self.publish()
+        self._span("push", wall)
         now = time.perf_counter()
         summary = summarize(trajs)
         self._record(trajs)
@@ -219,10 +226,15 @@ class TrainerService:
         row = {**summary, **stats, "version": self.trainer.version, "push_stall_s": stall,
                "train_wall_s": now - t0, "update_interval_s": interval,
                "throughput_tokens_per_s": summary["batch_tokens"] / interval if interval else None,
-               "trainer_idle_s": self.idle_s}
-        self.idle_s = 0.0
+               "trainer_idle_s": self.idle_s, "spans": self.spans}
+        self.idle_s, self.spans = 0.0, []
         self.history.append(row)
         return row
+
+    def _span(self, what: str, start: float, min_s: float = 0.005) -> None:
+        end = time.time()
+        if end - start >= min_s:
+            self.spans.append([what, round(start, 4), round(end, 4)])
 
     def _record(self, trajs: list[Trajectory]) -> None:
         """Append what was trained to RUN_DIR/trajectories.jsonl: the audit trail of versions

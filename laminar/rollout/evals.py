@@ -1,0 +1,126 @@
+"""Held-out evaluation inside a rollout, without stalling anyone.
+
+    job = EvalJob("step10", step=10, at_least=10, items=task.eval, max_new_tokens=64, seed=0)
+    evaluator.queue(job)
+    evaluator.step(weights)        # from the rollout loop's step: one engine step of the eval
+    evaluator.take()               # finished results: [{"step": 10, "version": 11, ...}]
+
+The evaluator has an engine (and a copy of the model) of its own, built on first use, so the
+version it evaluates never changes under it and the schedule's own engine, policy, drains,
+repacks and interrupts are untouched. It loads the newest weights the rollout's weight source
+offers once that is `at_least` the version asked for, then decodes every held-out prompt twice:
+greedy, and sampled with the rollout's sampling parameters and a fixed seed per prompt (the same
+draws at every evaluation, so two evaluations differ by the weights only). One engine step per
+loop step: the evaluation shares the rollout's CPU with generation instead of pausing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from laminar.models.tokenizer import decode_response, encode_prompt
+from laminar.types import GenerationRequest, PromptItem, SamplingParams
+
+
+@dataclass
+class EvalJob:
+    eval_id: str
+    step: int  # trainer steps done when it was asked (0: the warm start)
+    at_least: int  # the weights version it must run on, at least
+    items: list[PromptItem]
+    params: SamplingParams  # the rollout's sampling parameters (the sampled half)
+
+
+class Evaluator:
+    def __init__(self, build_engine: Callable[[], Any], tokenizer: Any, task: Any) -> None:
+        self.build_engine, self.tokenizer, self.task = build_engine, tokenizer, task
+        self.engine: Any = None
+        self.jobs: deque[EvalJob] = deque()
+        self.job: EvalJob | None = None
+        self.requests: dict[str, tuple[str, PromptItem, GenerationRequest]] = {}
+        self.left = 0
+        self.t0 = 0.0
+        self.results: list[dict[str, Any]] = []
+
+    def queue(self, job: EvalJob) -> None:
+        self.jobs.append(job)
+
+    @property
+    def busy(self) -> bool:
+        return self.job is not None
+
+    @property
+    def pending(self) -> int:
+        return len(self.jobs) + (self.job is not None)
+
+    def step(self, weights: Any) -> bool:
+        """Start the next job when its weights are there, or advance the running one by one
+        engine step; False when there was nothing to do."""
+        if self.job is None:
+            return self._start(weights)
+        for delta in self.engine.step():
+            if delta.finish_reason is not None and delta.request_id in self.requests:
+                self.left -= 1
+        if self.left == 0:
+            self._finish()
+        return True
+
+    def take(self) -> list[dict[str, Any]]:
+        out, self.results = self.results, []
+        return out
+
+    def drop(self) -> int:
+        """Forget queued and running jobs (the rollout stops); how many there were."""
+        n = self.pending
+        if self.job is not None:
+            self.engine.abort(list(self.requests))
+        self.jobs.clear()
+        self.job, self.requests, self.left = None, {}, 0
+        return n
+
+    def _start(self, weights: Any) -> bool:
+        if not self.jobs:
+            return False
+        job = self.jobs[0]
+        newest = weights.newest()
+        if newest is None or newest < job.at_least:
+            return False  # not at the local relay yet
+        if self.engine is None:
+            self.engine = self.build_engine()
+        if self.engine.version != newest:
+            weights.load_newest(self.engine, newer_than=-1 if self.engine.version > newest
+                                else self.engine.version)
+        self.jobs.popleft()
+        self.job, self.t0, self.requests = job, time.perf_counter(), {}
+        greedy = dataclasses.replace(job.params, temperature=0.0, seed=None)
+        for i, item in enumerate(job.items):
+            prompt = encode_prompt(self.tokenizer, item.prompt)
+            seed = zlib.crc32(f"{job.params.seed}/eval/{i}".encode())
+            for kind, params in (("greedy", greedy), ("sampled", dataclasses.replace(job.params, seed=seed))):
+                req = GenerationRequest(f"eval/{job.eval_id}/{kind}/{i}", list(prompt), params)
+                self.requests[req.request_id] = (kind, item, req)
+                self.engine.add(req)
+        self.left = len(self.requests)
+        if self.left == 0:
+            self._finish()
+        return True
+
+    def _finish(self) -> None:
+        job = self.job
+        sums = {"greedy": [0.0, 0.0], "sampled": [0.0, 0.0]}
+        for kind, item, req in self.requests.values():
+            scored = self.task.score(item, decode_response(self.tokenizer, req.output_ids))
+            sums[kind][0] += scored.exact_match
+            sums[kind][1] += scored.reward
+        n = max(1, len(job.items))
+        self.results.append({
+            "step": job.step, "version": self.engine.version, "eval_id": job.eval_id,
+            "greedy_exact_match": sums["greedy"][0] / n, "greedy_reward": sums["greedy"][1] / n,
+            "sampled_exact_match": sums["sampled"][0] / n, "sampled_reward": sums["sampled"][1] / n,
+            "num_prompts": len(job.items), "eval_s": round(time.perf_counter() - self.t0, 3)})
+        self.job, self.requests, self.left = None, {}, 0
