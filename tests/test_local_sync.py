@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from laminar.config import load_config
-from laminar.metrics import read_metrics
+from laminar.metrics import read_metrics, read_rows
 from laminar.modes import run_training as run
 
 SMALL = ["cluster.backend=local", "sft.enabled=false", "task.reverse.max_len=8", "rollout.max_new_tokens=9",
@@ -23,7 +23,13 @@ def test_sync_run_logs_every_step(tmp_path):
                 "throughput_tokens_per_s", "gen_tokens_per_s", "loss", "staleness_hist"):
         assert key in rows[0], key
     assert rows[0]["staleness_hist"] == {"0": 16}  # sync: every sample fresh
-    assert 0.0 <= result["after_eval_reward"] <= 1.0
+    evals = read_rows(tmp_path, "eval")  # held-out: at the start, at the end
+    assert [(e["step"], e["version"]) for e in evals] == [(0, 0), (2, 2)]
+    assert all(e["num_prompts"] == 8 and 0.0 <= e["greedy_reward"] <= 1.0 for e in evals)
+    assert result["heldout_last"]["version"] == 2
+    spans = read_rows(tmp_path, "span")
+    assert {s["who"] for s in spans} >= {"rollout0", "trainer"}
+    assert "train" in {s["what"] for s in spans if s["who"] == "trainer"}  # push: < 5 ms here
     assert (tmp_path / "checkpoints" / "step_000002" / "model" / "config.json").is_file()
 
     from laminar.report import main as report

@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from laminar.config import load_config
-from laminar.metrics import read_metrics
+from laminar.metrics import read_metrics, read_rows
 from laminar.modes import MODES, run_training, schedule
 from laminar.modes.common import start_weights
 from laminar.runtime.cluster import ClusterRuntime
@@ -22,7 +22,7 @@ TINY = ["sft.enabled=false", "task.reverse.max_len=8", "rollout.max_new_tokens=9
         "rollout.group_size=2", "rollout.num_workers=2", "cluster.virtual_nodes=2",
         "rollout.batch_groups=2", "trainer.prompts_per_step=4", "trainer.mini_batches=2",
         "trainer.threads=1", "trainer.total_steps=3", "rollout.engine.max_batch_size=8",
-        "cluster.wait_timeout_s=120", "manager.interval_s=0.2"]
+        "cluster.wait_timeout_s=120", "manager.interval_s=0.2", "task.eval_prompts=8"]
 
 
 def test_place_one_relay_per_node():
@@ -64,6 +64,15 @@ def test_every_mode_reaches_n_steps_and_loses_nothing(mode, tmp_path, ray_cluste
         assert {t["staleness"] for t in trained} <= {0, 1}
     if mode != "partial":  # one trajectory, one version
         assert all(t["token_versions"] is None for t in trained)
+
+    # held-out evaluation in every mode: at the start (step 0) and the end, each on one version
+    evals = read_rows(tmp_path, "eval")
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 3 and evals[-1]["version"] >= 3
+    assert all(e["num_prompts"] == cfg.task.eval_prompts for e in evals)
+    assert report["heldout_last"] == evals[-1]
+    spans = read_rows(tmp_path, "span")  # the timeline: every rollout and the trainer
+    assert {s["who"] for s in spans} == {"rollout0", "rollout1", "trainer"}
+    assert all(s["end"] >= s["start"] for s in spans)
 
 
 def test_rollout_pulls_newest_version_while_trainer_is_mid_step(tmp_path, ray_cluster):

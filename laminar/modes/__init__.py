@@ -27,7 +27,9 @@ def schedule(mode: str) -> Any:
 def run_training(cfg: Config) -> dict[str, Any]:
     from laminar.modes.common import start_weights
     from laminar.runtime import open_runtime
+    from laminar.sinks import check_backends
 
+    check_backends(cfg.metrics)  # a missing wandb / mlflow fails now, not after the warm start
     model_dir, version = start_weights(cfg)
     mode = schedule(cfg.mode)
     with open_runtime(cfg, model_dir, version, mode.policy(cfg)) as rt:

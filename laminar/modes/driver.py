@@ -1,6 +1,8 @@
-"""What every schedule's driver shares: following the trainer while logging per-step metrics
-that join trainer and rollout numbers, and the final accounting. Talks to the runtime only
-through its driver API (laminar/runtime/__init__.py), so it runs on either backend."""
+"""What every schedule's driver shares: following the trainer while logging the run's rows
+(laminar/metrics.py: trainer steps joined with what the rollouts did meanwhile, held-out
+evaluations, timeline spans, events), the held-out evaluation schedule, and the final
+accounting. Talks to the runtime only through its driver API (laminar/runtime/__init__.py), so
+it runs on either backend."""
 
 from __future__ import annotations
 
@@ -11,61 +13,168 @@ from typing import Any
 
 import numpy as np
 
-from laminar.metrics import MetricsLogger, read_metrics, reward_trend
+from laminar.metrics import MetricsLogger, read_metrics, read_rows, reward_trend
+from laminar.rollout.evals import EvalJob
+from laminar.rollout.requests import sampling_params
 from laminar.runtime import TrainerRestarted
 
 
 class Follower:
-    """Turns trainer rows into metrics.jsonl lines, adding what the rollouts did meanwhile:
-    generation tokens/s, rollout idle fraction, KV utilisation, pulls, repacks."""
+    """Turns trainer rows into metrics rows, adding what the rollouts did meanwhile (generation
+    tokens/s, idle fraction, KV utilisation per rollout, pulls, repacks, environment latencies),
+    and schedules the held-out evaluations: at the start, every `trainer.eval_every` versions,
+    and at the end (`final_eval`), each run by the next rollout in turn while training goes on."""
 
     def __init__(self, rt: Any) -> None:
+        from laminar.live import LiveView
+        from laminar.sinks import open_sinks
+
         self.rt, self.cfg = rt, rt.cfg
-        self.logger = MetricsLogger(self.cfg.resolved_run_dir, self.cfg.trainer.total_steps,
-                                    fresh=not self.cfg.trainer.resume)
+        cfg = self.cfg
+        run_dir = cfg.resolved_run_dir
+        self.logger = MetricsLogger(run_dir, cfg.trainer.total_steps, console=False,
+                                    fresh=not cfg.trainer.resume,
+                                    sinks=open_sinks(cfg.metrics, run_dir, cfg.name, cfg.model_dump(mode="json")))
+        self.view = LiveView(cfg.trainer.total_steps, cfg.metrics.live)
+        self.view.__enter__()
         self.seen = 0
         self.last_t = time.monotonic()
         self.last_counters: dict[str, Any] = {}
-        self.kv_samples: list[float] = []
+        self.kv_samples: dict[str, list[float]] = {}
+        self.env_latency: list[float] = []
         self.chain: list[str] | None = None
+        self.last_manager: dict[str, Any] = {}
+        self.evals_asked: set[str] = set()
+        self.evals_done: set[str] = set()
+        self.ask_eval(step=0, at_least=rt.start_version)
+
+    # ------------------------------------------------------------------------- evaluation
+
+    def ask_eval(self, step: int, at_least: int) -> str:
+        eval_id = f"step{step}"
+        if eval_id not in self.evals_asked:
+            self.evals_asked.add(eval_id)
+            self.rt.request_eval(EvalJob(eval_id, step, at_least, self.rt.task.eval,
+                                         sampling_params(self.cfg)))
+        return eval_id
+
+    def final_eval(self) -> None:
+        """The held-out score of the last version; waits for it (and any still running)."""
+        rows = read_metrics(self.cfg.resolved_run_dir) if self.seen else []
+        version = rows[-1]["version"] if rows else self.rt.start_version
+        self.ask_eval(step=version, at_least=version)
+        deadline = time.monotonic() + self.cfg.cluster.wait_timeout_s
+        while self.evals_asked - self.evals_done and time.monotonic() < deadline:
+            self.rt.idle(0.2)
+            self.poll()
+        missing = sorted(self.evals_asked - self.evals_done)
+        if missing:
+            self.log_event("eval_missing", f"held-out evaluations {missing} never reported "
+                           "(their rollout died or retired)")
+
+    # ------------------------------------------------------------------------- rows
+
+    def log_event(self, what: str, detail: str) -> None:
+        self.view.row(self.logger.write("event", {"what": what, "detail": detail}))
 
     def poll(self) -> int:
-        """Log the trainer rows that arrived since the last poll; returns how many."""
+        """Log what arrived since the last poll; returns how many trainer rows."""
         rows = self.rt.trainer_rows(self.seen)
         snaps = self.rt.snapshots()
-        self.kv_samples += [s.kv_utilization for s in snaps.values() if s.num_in_flight]
+        for w, snap in snaps.items():
+            if snap.num_in_flight:
+                self.kv_samples.setdefault(w, []).append(snap.kv_utilization)
+        self._records(self.rt.take_records())
+        manager = self.rt.manager_stats()
+        self._events(manager)
+        self.view.update(self._live_state(snaps, manager))
         if not rows:
             return 0
         now = time.monotonic()
         wall, self.last_t = now - self.last_t, now
-        gen, idle, pulls, pull_s = 0, 0.0, 0, 0.0
+        gen, idle, pulls, pull_s, gen_by = 0, 0.0, 0, 0.0, {}
         for w, s in snaps.items():
             c, prev = s.counters, self.last_counters.get(w)
             if prev is not None:
+                gen_by[w] = (c.generated_tokens - prev.generated_tokens) / wall if wall > 0 else None
                 gen += c.generated_tokens - prev.generated_tokens
                 idle += c.idle_s - prev.idle_s
                 pulls += c.pulls - prev.pulls
                 pull_s += c.pull_s - prev.pull_s
             self.last_counters[w] = c
-        manager = self.rt.manager_stats()
-        if self.chain is not None and manager["chain"] != self.chain:
-            print(f"laminar: the relay chain is now {manager['chain']} (was {self.chain})", flush=True)
-        self.chain = manager["chain"]
+        kv_all = [v for samples in self.kv_samples.values() for v in samples]
         extra = {
             "gen_tokens_per_s": gen / wall if wall > 0 else None,
+            "gen_tokens_per_s_by_rollout": gen_by,
             "rollout_idle_frac": idle / (wall * max(1, len(snaps))) if wall > 0 else None,
-            "kv_util_mean": float(np.mean(self.kv_samples)) if self.kv_samples else 0.0,
+            "kv_util_mean": float(np.mean(kv_all)) if kv_all else 0.0,
+            "kv_util_by_rollout": {w: float(np.mean(v)) for w, v in self.kv_samples.items() if v},
             "pulls": pulls, "pull_latency_s": pull_s / pulls if pulls else None,
             "repacks": manager["repacks"], "moved_trajectories": manager["moved_trajectories"],
+            "env_latency_s": [self.env_latency[i] for i in
+                              np.linspace(0, len(self.env_latency) - 1, min(64, len(self.env_latency))).astype(int)],
         }
-        self.kv_samples = []
+        self.kv_samples, self.env_latency = {}, []
+        every, total = self.cfg.trainer.eval_every, self.cfg.trainer.total_steps
         for row in rows:
+            spans = row.pop("spans", [])
             row = {**row, **extra}
             step_s = row.get("update_interval_s")
             row["trainer_idle_frac"] = row["trainer_idle_s"] / step_s if step_s else None
-            self.logger.log(row["version"], row)
+            self.view.row(self.logger.log(row["version"], row))
+            for what, start, end in spans:
+                self.logger.write("span", {"who": "trainer", "what": what, "version": row["version"],
+                                           "start": self.logger.since_start(start),
+                                           "end": self.logger.since_start(end)})
+            if every and row["version"] % every == 0 and row["version"] < total:
+                self.ask_eval(step=row["version"], at_least=row["version"])
         self.seen += len(rows)
         return len(rows)
+
+    def _records(self, records: dict[str, dict[str, Any]]) -> None:
+        for w, rec in records.items():
+            for result in rec["evals"]:
+                self.evals_done.add(result["eval_id"])
+                self.view.row(self.logger.write("eval", {**result, "rollout": w}))
+            for span in rec["spans"]:
+                self.logger.write("span", {"who": w, "what": span.what, "version": span.version,
+                                           "start": self.logger.since_start(span.start),
+                                           "end": self.logger.since_start(span.end)})
+            self.env_latency += rec["env_latency_s"]
+
+    def _events(self, manager: dict[str, Any]) -> None:
+        last = self.last_manager
+        if last:
+            if manager["repacks"] > last["repacks"]:
+                self.log_event("repack", f"{manager['repacks'] - last['repacks']} repack(s), "
+                               f"{manager['moved_trajectories'] - last['moved_trajectories']} "
+                               "trajectories moved to a same-version peer")
+            for dead in manager["dead"][len(last["dead"]):]:
+                self.log_event("failure", f"rollout {dead} died; its unfinished trajectories "
+                               "continue on live rollouts")
+        if self.chain is not None and manager["chain"] != self.chain:
+            self.log_event("chain", f"the relay chain is now {manager['chain']} (was {self.chain})")
+        self.chain = manager["chain"]
+        self.last_manager = manager
+
+    def _live_state(self, snaps: dict[str, Any], manager: dict[str, Any]) -> Any:
+        from laminar.live import LiveState, RolloutLine
+
+        lines = []
+        for w, s in sorted(snaps.items()):
+            prev = self.last_counters.get(w)
+            wall = max(1e-9, time.monotonic() - self.last_t)
+            rate = (s.counters.generated_tokens - prev.generated_tokens) / wall if prev else 0.0
+            state = "held" if s.held else "draining" if s.draining else "running" if s.num_in_flight else "idle"
+            lines.append(RolloutLine(w, s.version, s.num_running, s.num_waiting, s.kv_utilization,
+                                     rate, state))
+        versions = manager.get("relay_versions", {})
+        return LiveState(self.seen, lines, [(r, versions.get(r)) for r in manager["chain"]])
+
+    def close(self) -> None:
+        self._records(self.rt.take_records(close=True))
+        self.logger.close()
+        self.view.__exit__(None, None, None)
 
     def _await_trainer(self) -> None:
         """Until the restarted trainer answers (a call made before would fail at once)."""
@@ -108,19 +217,25 @@ class Follower:
             return value
 
 
-def finish(rt: Any) -> dict[str, Any]:
-    """Stop the loops and report where every leased prompt group ended up."""
+def finish(rt: Any, follower: Follower) -> dict[str, Any]:
+    """The final held-out evaluation, then stop the loops and report where every leased prompt
+    group ended up; the end-of-run line leads with the held-out score before -> after."""
     cfg = rt.cfg
+    follower.final_eval()
     report = rt.finish()
+    follower.close()
     first, last = reward_trend(read_metrics(cfg.resolved_run_dir))
     report |= {"reward_first": first, "reward_last": last}
+    evals = read_rows(cfg.resolved_run_dir, "eval")
+    heldout = ""
+    if evals:
+        a, b = evals[0], evals[-1]
+        report |= {"heldout_first": a, "heldout_last": b}
+        heldout = (f"held-out greedy exact match {a['greedy_exact_match']:.2f} (version {a['version']}) "
+                   f"-> {b['greedy_exact_match']:.2f} (version {b['version']}), sampled "
+                   f"{a['sampled_exact_match']:.2f} -> {b['sampled_exact_match']:.2f}; ")
     (cfg.resolved_run_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    evaluated = ""
-    if "after_eval_exact_match" in report:
-        evaluated = (f"; held-out exact match {report['before_eval_exact_match']:.2f} -> "
-                     f"{report['after_eval_exact_match']:.2f}, reward {report['before_eval_reward']:.3f}"
-                     f" -> {report['after_eval_reward']:.3f}")
-    print(f"done: mean training reward {first:.3f} (first steps) -> {last:.3f} (last steps); groups "
-          f"trained {report['prompts']['consumed']}, repacks {report['manager']['repacks']}"
-          f"{evaluated} ({cfg.resolved_run_dir})")
+    print(f"done: {heldout}mean training reward {first:.3f} (first steps) -> {last:.3f} (last "
+          f"steps); groups trained {report['prompts']['consumed']}, repacks "
+          f"{report['manager']['repacks']} ({cfg.resolved_run_dir})", flush=True)
     return report

@@ -46,5 +46,6 @@ def policy(cfg: Config) -> Laminar:
 
 
 def run(rt: Any) -> dict[str, Any]:
-    Follower(rt).follow(lambda: rt.train("run"))
-    return finish(rt)
+    follower = Follower(rt)
+    follower.follow(lambda: rt.train("run"))
+    return finish(rt, follower)

@@ -30,4 +30,4 @@ def run(rt: Any) -> dict[str, Any]:
         if nxt is not None:
             rt.wait(nxt, "generation")
             rt.sync_weights(version)                                       # global sync: v_{i+1}
-    return finish(rt)
+    return finish(rt, follower)

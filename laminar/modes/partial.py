@@ -43,4 +43,4 @@ def run(rt: Any) -> dict[str, Any]:
     while version < rt.cfg.trainer.total_steps:
         version = follower.follow(lambda: rt.train("train_next"))["version"]  # train, push v+1
         rt.sync_weights(version)                                             # everyone swaps
-    return finish(rt)
+    return finish(rt, follower)

@@ -34,4 +34,4 @@ def run(rt: Any) -> dict[str, Any]:
                 rt.sync_weights(version)                              # global sync at iteration end
             gen = rt.generate(B)                                      # batch i+1, overlapping training
         version = follower.follow(lambda: rt.train("train_streaming"), started=training)["version"]
-    return finish(rt)
+    return finish(rt, follower)

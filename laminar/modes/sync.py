@@ -42,4 +42,4 @@ def run(rt: Any) -> dict[str, Any]:
         rt.wait(rt.generate(rt.cfg.trainer.prompts_per_step), "generation")  # all rollouts, v
         version = follower.follow(lambda: rt.train("train_once"))["version"]  # trainer: v -> v+1
         rt.sync_weights(version)                                              # everyone loads v+1
-    return finish(rt)
+    return finish(rt, follower)

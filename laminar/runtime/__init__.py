@@ -16,6 +16,10 @@ The driver API, the same for both:
     wait(pending, what) -> value         wait at most cluster.wait_timeout_s, naming what
     ready(pending, timeout_s) -> bool    done yet?
     result(pending) -> value             raises TrainerRestarted if the trainer died meanwhile
+    request_eval(job) -> rollout id      a held-out evaluation (laminar/rollout/evals.py), by
+                                         the next rollout in turn
+    take_records(close) -> {rollout: {"evals", "spans", "env_latency_s"}}   since the last call
+    idle(seconds)                        let the rollouts run (local: steps them)
     trainer_rows(since), snapshots(), manager_stats(), finish()
     start_version, cfg
 """

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 import uuid
 from functools import partial
 from typing import Any
@@ -74,7 +75,7 @@ class ClusterRuntime:
         self.job = uuid.uuid4().hex[:8]
         secret = (os.environ.get(cfg.relay.secret_env) or secrets.token_hex(16)).encode()
         tokenizer = load_tokenizer(self.model_dir)
-        task = build_task(cfg.task)
+        self.task = task = build_task(cfg.task)
         sampler = PromptSampler(task.train, partial(encode_prompt, tokenizer), cfg.rollout.group_size,
                                 seed=cfg.task.seed)
         # named, so that a restarted trainer finds them by name
@@ -225,6 +226,31 @@ class ClusterRuntime:
                 except ray.exceptions.RayActorError:
                     pass
         return out
+
+    def request_eval(self, job: Any) -> str:
+        """A held-out evaluation by the next live rollout in turn; returns its id."""
+        live = sorted(self._live())
+        self.eval_turn = getattr(self, "eval_turn", -1) + 1
+        wid = live[self.eval_turn % len(live)]
+        self.workers[wid].request_eval.remote(job)
+        return wid
+
+    def take_records(self, close: bool = False) -> dict[str, dict[str, Any]]:
+        """Per live rollout: evaluations finished, timeline spans and environment latencies
+        since the last call (rollouts that do not answer within 10 s are skipped this time)."""
+        refs = {w: h.take_records.remote(close) for w, h in self._live().items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=10)
+        out = {}
+        for w, ref in refs.items():
+            if ref in ready:
+                try:
+                    out[w] = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    pass
+        return out
+
+    def idle(self, seconds: float) -> None:
+        time.sleep(seconds)  # the loops run in their own threads
 
     def manager_stats(self) -> dict[str, Any]:
         return ray.get(self.manager.stats.remote(), timeout=60)

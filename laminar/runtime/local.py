@@ -7,12 +7,13 @@ rollouts through a `WeightBoard`. Every driver call runs to completion before it
 holds the version. So a schedule whose waits come one after another (sync) runs unchanged;
 one that needs rollouts and trainer to run at once needs `cluster.backend: ray`.
 
-It also scores the held-out prompts greedily at the start and at the end (`before_*` and
-`after_*` in the report), with the first rollout's engine.
+Held-out evaluations run in the loops' evaluators as on a cluster; they advance whenever the
+loops are stepped (during generation, a sync, or `idle`).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 import zlib
 from functools import partial
@@ -27,6 +28,7 @@ from laminar.models.tokenizer import encode_prompt
 from laminar.pools.experience import ExperienceBuffer
 from laminar.pools.partials import PartialPool
 from laminar.pools.prompts import PromptPool, PromptSampler
+from laminar.rollout.evals import EvalJob, Evaluator
 from laminar.rollout.finish import Finisher
 from laminar.rollout.io import (BoardWeights, LocalBuffer, LocalPartials, LocalPrompts, RolloutIO,
                                 WeightBoard)
@@ -34,7 +36,6 @@ from laminar.rollout.loop import RolloutLoop
 from laminar.rollout.policy import Policy
 from laminar.rollout.requests import sampling_params
 from laminar.tasks import build_task
-from laminar.tasks.evaluate import evaluate
 from laminar.trainer.service import TrainerService
 from laminar.types import RolloutSnapshot, Trajectory
 
@@ -102,10 +103,9 @@ class LocalRuntime:
                                       BoardPush(self.board))
         self.loops = [self._loop(f"rollout{i}", model if i == 0 else None)
                       for i in range(cfg.rollout.num_workers)]
-        self.before = evaluate(self.loops[0].engine, self.tokenizer, self.task, cfg.rollout.max_new_tokens)
+        self.eval_turn = -1
         print(f"{cfg.mode} mode in one process: {cfg.trainer.total_steps} steps x "
-              f"{cfg.trainer.prompts_per_step} prompts x {cfg.rollout.group_size} samples; held-out "
-              f"exact match {self.before['eval_exact_match']:.2f}, reward {self.before['eval_reward']:.3f}")
+              f"{cfg.trainer.prompts_per_step} prompts x {cfg.rollout.group_size} samples")
         return self
 
     def _loop(self, rollout_id: str, model: Any) -> RolloutLoop:
@@ -118,8 +118,11 @@ class LocalRuntime:
         io = RolloutIO(LocalPrompts(self.prompts), LocalPartials(self.partials),
                        LocalBuffer(self.buffer), BoardWeights(self.board))
         finisher = Finisher(self.task, self.tokenizer, cfg.rollout.env_latency, seed)
+        evaluator = Evaluator(lambda: build_engine(
+            cfg.rollout.engine, copy.deepcopy(engine.model), self.tokenizer.eos_token_id,
+            self.tokenizer.pad_token_id, engine.version, seed), self.tokenizer, self.task)
         return RolloutLoop(rollout_id, engine, io, self.policy, finisher, sampling_params(cfg),
-                           cfg.rollout, cfg.cluster.heartbeat_s)
+                           cfg.rollout, cfg.cluster.heartbeat_s, evaluator)
 
     def __exit__(self, *exc: object) -> None:
         pass
@@ -168,6 +171,22 @@ class LocalRuntime:
     def snapshots(self) -> dict[str, RolloutSnapshot]:
         return {loop.id: loop.snapshot() for loop in self.loops}
 
+    def request_eval(self, job: EvalJob) -> str:
+        self.eval_turn += 1
+        loop = self.loops[self.eval_turn % len(self.loops)]
+        loop.request_eval(job)
+        return loop.id
+
+    def take_records(self, close: bool = False) -> dict[str, dict[str, Any]]:
+        return {loop.id: loop.take_records(close) for loop in self.loops}
+
+    def idle(self, seconds: float) -> None:
+        """Step the loops for up to `seconds` (nothing else runs them between driver calls)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if not any([loop.step() for loop in self.loops]):
+                time.sleep(0.001)
+
     def manager_stats(self) -> dict[str, Any]:
         return {"repacks": 0, "moved_trajectories": 0, "dead": [], "chain": [],
                 "workers": [loop.id for loop in self.loops]}
@@ -175,8 +194,5 @@ class LocalRuntime:
     def finish(self) -> dict[str, Any]:
         for loop in self.loops:
             loop.settle(timeout_s=self.cfg.cluster.wait_timeout_s)
-        after = evaluate(self.loops[0].engine, self.tokenizer, self.task, self.cfg.rollout.max_new_tokens)
         return {"prompts": self.prompts.accounting(), "buffer": self.buffer.counts(),
-                "manager": self.manager_stats(),
-                **{"before_" + k: v for k, v in self.before.items()},
-                **{"after_" + k: v for k, v in after.items()}}
+                "manager": self.manager_stats()}
