@@ -7,8 +7,9 @@
 
 The evaluator has an engine (and a copy of the model) of its own, built on first use, so the
 version it evaluates never changes under it and the schedule's own engine, policy, drains,
-repacks and interrupts are untouched. It loads the newest weights the rollout's weight source
-offers once that is `at_least` the version asked for, then decodes every held-out prompt twice:
+repacks and interrupts are untouched. It evaluates the newest weights the rollout's weight source
+offers once that is `at_least` the version asked for (before anything is published: the
+rollout's starting weights, which its engine was copied from), then decodes every held-out prompt twice:
 greedy, and sampled with the rollout's sampling parameters and a fixed seed per prompt (the same
 draws at every evaluation, so two evaluations differ by the weights only). One engine step per
 loop step: the evaluation shares the rollout's CPU with generation instead of pausing it.
@@ -87,14 +88,13 @@ class Evaluator:
         if not self.jobs:
             return False
         job = self.jobs[0]
-        newest = weights.newest()
-        if newest is None or newest < job.at_least:
-            return False  # not at the local relay yet
-        if self.engine is None:
+        if self.engine is None:  # a copy of the rollout's engine: its weights and version
             self.engine = self.build_engine()
-        if self.engine.version != newest:
-            weights.load_newest(self.engine, newer_than=-1 if self.engine.version > newest
-                                else self.engine.version)
+        newest = weights.newest()
+        if newest is not None and newest > self.engine.version and newest >= job.at_least:
+            weights.load_newest(self.engine, newer_than=self.engine.version)
+        if self.engine.version < job.at_least:
+            return False  # not at the local relay yet
         self.jobs.popleft()
         self.job, self.t0, self.requests = job, time.perf_counter(), {}
         greedy = dataclasses.replace(job.params, temperature=0.0, seed=None)
