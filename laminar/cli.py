@@ -47,8 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="modes only: change the shared workload (repeatable), e.g. "
                         "--set rollout.num_workers=4")
 
-    p = sub.add_parser("report", help="summary and plots of a run directory")
-    p.add_argument("run_dir", help="e.g. runs/reverse")
+    p = sub.add_parser("report", help="summary and an HTML report of runs (or of bench modes results)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="e.g. runs/reverse; several are overlaid in one page; or the .json "
+                        "that `laminar bench modes --out` wrote")
+    p.add_argument("--out", default=None,
+                   help="write the HTML here (default: RUN_DIR/report.html; several runs: "
+                        "report.html in the first one's parent directory)")
 
     p = sub.add_parser("simulate", help="cluster-scale simulator of the five schedules",
                        add_help=False)
@@ -85,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "report":
             from laminar.report import main as report_main
 
-            report_main(args.run_dir)
+            report_main(args.run_dirs, out=args.out)
         elif args.command == "simulate":
             from laminar.sim.cli import main as simulate_main
 

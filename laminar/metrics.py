@@ -65,7 +65,7 @@ class MetricsLogger:
         return round(unix_time - self.t0, 3)
 
     def write(self, kind: str, row: dict[str, Any]) -> dict[str, Any]:
-        """Append one row (`time` defaults to now); returns it as written."""
+        """Append one row (`time`, seconds since the start, defaults to now); returns it."""
         record = {"kind": kind, "time": self.since_start(time.time()), **row}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")

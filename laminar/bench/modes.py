@@ -258,4 +258,7 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
     if out:
         Path(out).write_text(json.dumps(report, indent=2))
         print(f"wrote {out}")
+        from laminar.report import bench_html_path, write_bench_html
+
+        print(f"wrote {write_bench_html(report, bench_html_path(out))}")
     return report

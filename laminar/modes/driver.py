@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import yaml
 
 from laminar.metrics import MetricsLogger, read_metrics, read_rows, reward_trend
 from laminar.rollout.evals import EvalJob
@@ -35,6 +36,7 @@ class Follower:
         self.logger = MetricsLogger(run_dir, cfg.trainer.total_steps, console=False,
                                     fresh=not cfg.trainer.resume,
                                     sinks=open_sinks(cfg.metrics, run_dir, cfg.name, cfg.model_dump(mode="json")))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         self.view = LiveView(cfg.trainer.total_steps, cfg.metrics.live)
         self.view.__enter__()
         self.seen = 0
@@ -118,7 +120,10 @@ class Follower:
         every, total = self.cfg.trainer.eval_every, self.cfg.trainer.total_steps
         for row in rows:
             spans = row.pop("spans", [])
-            row = {**row, **extra}
+            published = row.pop("published_at", None)  # the update's own time, not this poll's
+            row = {**row, **extra, "mode": self.cfg.mode}
+            if published is not None:
+                row["time"] = self.logger.since_start(published)
             step_s = row.get("update_interval_s")
             row["trainer_idle_frac"] = row["trainer_idle_s"] / step_s if step_s else None
             self.view.row(self.logger.log(row["version"], row))

@@ -226,7 +226,7 @@ class TrainerService:
         row = {**summary, **stats, "version": self.trainer.version, "push_stall_s": stall,
                "train_wall_s": now - t0, "update_interval_s": interval,
                "throughput_tokens_per_s": summary["batch_tokens"] / interval if interval else None,
-               "trainer_idle_s": self.idle_s, "spans": self.spans}
+               "trainer_idle_s": self.idle_s, "spans": self.spans, "published_at": time.time()}
         self.idle_s, self.spans = 0.0, []
         self.history.append(row)
         return row
