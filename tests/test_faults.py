@@ -72,10 +72,11 @@ def test_a_killed_rollout_loses_nothing_and_training_goes_on(tmp_path, ray_clust
         _wait_version(rt, len(ray.get(rt.trainer.metrics_since.remote(0))) + 2)  # training goes on
         rt.trainer.stop.remote()
         version = follower.follow(lambda: rt.train("run"), started=training)
-        report = finish(rt)
+        report = finish(rt, follower)
     manager = report["manager"]
     assert manager["dead_workers"] == 1 and manager["dead"] == ["rollout0"]
     assert manager["failover_trajectories"] > 0  # its in-flight work continued elsewhere
+    assert report["heldout_last"]["step"] == version  # the held-out schedule survived the kill
     _check_nothing_lost(cfg, report, version)
 
 
@@ -95,7 +96,7 @@ def test_rollouts_join_and_leave_a_running_job(tmp_path, ray_cluster):
         rt.trainer.stop.remote()
         version = follower.follow(lambda: rt.train("run"), started=training)
         snap = ray.get(joined.snapshot.remote())
-        report = finish(rt)
+        report = finish(rt, follower)
     assert wid == "rollout2"
     assert snap.counters.versions[0] == 0 and len(snap.counters.versions) >= 2
     assert report["manager"]["retired_workers"] == 1
@@ -111,7 +112,7 @@ def test_a_killed_trainer_restarts_from_its_checkpoint_and_loses_no_data(tmp_pat
         _wait_version(rt, 3)  # a checkpoint at 2, one update after it
         os.kill(rt.trainer_pid(), signal.SIGKILL)  # the real process
         assert follower.follow(lambda: rt.train("run"), started=training) == cfg.trainer.total_steps
-        report = finish(rt)
+        report = finish(rt, follower)
     lines = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
     restart = next(i for i, line in enumerate(lines) if line.get("event") == "trainer_restart")
     mark = lines[restart]
@@ -145,7 +146,7 @@ def test_a_killed_relay_is_cut_out_and_training_goes_on(tmp_path, ray_cluster):
         assert follower.follow(lambda: rt.train("run"), started=training) == cfg.trainer.total_steps
         snap = ray.get(rt.workers["rollout1"].snapshot.remote())
         manager = rt.manager_stats()
-        report = finish(rt)
+        report = finish(rt, follower)
     assert manager["chain"] == ["node0"] and manager["dead_relays"] == 1
     assert max(snap.counters.versions) >= 3  # rollout1 kept pulling new versions via node0
     _check_nothing_lost(cfg, report, cfg.trainer.total_steps)

@@ -46,19 +46,27 @@ class Follower:
         self.env_latency: list[float] = []
         self.chain: list[str] | None = None
         self.last_manager: dict[str, Any] = {}
-        self.evals_asked: set[str] = set()
+        self.evals_asked: dict[str, tuple[str, EvalJob]] = {}  # id -> (rollout, job)
         self.evals_done: set[str] = set()
-        self.ask_eval(step=0, at_least=rt.start_version)
+        if cfg.trainer.resume:
+            self.log_event("resume", f"resumed from {cfg.trainer.resume} at version {rt.start_version}")
+        self.ask_eval(step=rt.start_version, at_least=rt.start_version)
 
     # ------------------------------------------------------------------------- evaluation
 
     def ask_eval(self, step: int, at_least: int) -> str:
         eval_id = f"step{step}"
         if eval_id not in self.evals_asked:
-            self.evals_asked.add(eval_id)
-            self.rt.request_eval(EvalJob(eval_id, step, at_least, self.rt.task.eval,
-                                         sampling_params(self.cfg)))
+            job = EvalJob(eval_id, step, at_least, self.rt.task.eval, sampling_params(self.cfg))
+            self.evals_asked[eval_id] = (self.rt.request_eval(job), job)
         return eval_id
+
+    def _reassign_evals(self, live: list[str]) -> None:
+        """An evaluation whose rollout died or left is asked of another one."""
+        for eval_id, (wid, job) in list(self.evals_asked.items()):
+            if eval_id not in self.evals_done and wid not in live:
+                self.evals_asked[eval_id] = (self.rt.request_eval(job), job)
+                self.log_event("eval_moved", f"held-out evaluation {eval_id} moved from {wid}")
 
     def final_eval(self) -> None:
         """The held-out score of the last version; waits for it (and any still running)."""
@@ -66,10 +74,10 @@ class Follower:
         version = rows[-1]["version"] if rows else self.rt.start_version
         self.ask_eval(step=version, at_least=version)
         deadline = time.monotonic() + self.cfg.cluster.wait_timeout_s
-        while self.evals_asked - self.evals_done and time.monotonic() < deadline:
+        while set(self.evals_asked) - self.evals_done and time.monotonic() < deadline:
             self.rt.idle(0.2)
             self.poll()
-        missing = sorted(self.evals_asked - self.evals_done)
+        missing = sorted(set(self.evals_asked) - self.evals_done)
         if missing:
             self.log_event("eval_missing", f"held-out evaluations {missing} never reported "
                            "(their rollout died or retired)")
@@ -89,6 +97,7 @@ class Follower:
         self._records(self.rt.take_records())
         manager = self.rt.manager_stats()
         self._events(manager)
+        self._reassign_evals(manager["workers"])
         self.view.update(self._live_state(snaps, manager))
         if not rows:
             return 0
@@ -213,7 +222,8 @@ class Follower:
                 if restarts == 0:
                     raise
                 restarts -= 1
-                print("laminar: the trainer died; it restarts from its newest checkpoint", flush=True)
+                self.log_event("trainer_restart", "the trainer died; it restarts from its newest "
+                               "checkpoint (rollouts go on)")
                 self._await_trainer()
                 self.seen = 0  # the restarted trainer keeps a fresh history
                 pending = call()
@@ -240,7 +250,16 @@ def finish(rt: Any, follower: Follower) -> dict[str, Any]:
                    f"-> {b['greedy_exact_match']:.2f} (version {b['version']}), sampled "
                    f"{a['sampled_exact_match']:.2f} -> {b['sampled_exact_match']:.2f}; ")
     (cfg.resolved_run_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    page = ""
+    try:
+        from laminar.report import load_run, run_report_html
+
+        path = cfg.resolved_run_dir / "report.html"
+        path.write_text(run_report_html([load_run(cfg.resolved_run_dir)]))
+        page = f"; report {path}"
+    except ImportError as e:  # matplotlib is in the `plots` extra (make installs it)
+        page = f"; no report.html ({e.name} is missing: pip install 'laminar[plots]')"
     print(f"done: {heldout}mean training reward {first:.3f} (first steps) -> {last:.3f} (last "
           f"steps); groups trained {report['prompts']['consumed']}, repacks "
-          f"{report['manager']['repacks']} ({cfg.resolved_run_dir})", flush=True)
+          f"{report['manager']['repacks']} ({cfg.resolved_run_dir}{page})", flush=True)
     return report
