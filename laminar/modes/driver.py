@@ -166,6 +166,11 @@ class Follower:
             for dead in manager["dead"][len(last["dead"]):]:
                 self.log_event("failure", f"rollout {dead} died; its unfinished trajectories "
                                "continue on live rollouts")
+            before, now = set(last["workers"]), set(manager["workers"])
+            for wid in sorted(now - before):
+                self.log_event("join", f"rollout {wid} joined the job")
+            for wid in sorted(before - now - set(manager["dead"])):
+                self.log_event("leave", f"rollout {wid} left the job (its work moved to peers)")
         if self.chain is not None and manager["chain"] != self.chain:
             self.log_event("chain", f"the relay chain is now {manager['chain']} (was {self.chain})")
         self.chain = manager["chain"]
