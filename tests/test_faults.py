@@ -13,6 +13,7 @@ from collections import Counter
 import ray
 
 from laminar.config import load_config
+from laminar.metrics import read_rows
 from laminar.modes import schedule
 from laminar.modes.common import start_weights
 from laminar.modes.driver import Follower, finish
@@ -100,6 +101,8 @@ def test_rollouts_join_and_leave_a_running_job(tmp_path, ray_cluster):
     assert wid == "rollout2"
     assert snap.counters.versions[0] == 0 and len(snap.counters.versions) >= 2
     assert report["manager"]["retired_workers"] == 1
+    events = {(e["what"], e["detail"].split()[1]) for e in read_rows(tmp_path, "event")}
+    assert {("join", "rollout2"), ("leave", "rollout0")} <= events
     _check_nothing_lost(cfg, report, version)
 
 

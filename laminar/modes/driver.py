@@ -44,8 +44,8 @@ class Follower:
         self.last_counters: dict[str, Any] = {}
         self.kv_samples: dict[str, list[float]] = {}
         self.env_latency: list[float] = []
-        self.chain: list[str] | None = None
-        self.last_manager: dict[str, Any] = {}
+        self.last_manager: dict[str, Any] = rt.manager_stats()  # events are what changes
+        self.chain: list[str] = self.last_manager["chain"]
         self.evals_asked: dict[str, tuple[str, EvalJob]] = {}  # id -> (rollout, job)
         self.evals_done: set[str] = set()
         if cfg.trainer.resume:
@@ -171,7 +171,7 @@ class Follower:
                 self.log_event("join", f"rollout {wid} joined the job")
             for wid in sorted(before - now - set(manager["dead"])):
                 self.log_event("leave", f"rollout {wid} left the job (its work moved to peers)")
-        if self.chain is not None and manager["chain"] != self.chain:
+        if manager["chain"] != self.chain:
             self.log_event("chain", f"the relay chain is now {manager['chain']} (was {self.chain})")
         self.chain = manager["chain"]
         self.last_manager = manager
