@@ -45,6 +45,7 @@ class ClusterRuntime:
         self.workers: dict[str, Any] = {}
         self.trainer = self.manager = None
         self.pools: dict[str, Any] = {}
+        self.eval_turn = -1  # request_eval: whose turn it is
 
     def __enter__(self) -> "ClusterRuntime":
         try:
@@ -216,8 +217,12 @@ class ClusterRuntime:
 
     def snapshots(self) -> dict[str, RolloutSnapshot]:
         """Rollouts that answer within 10 s (a dead one is the manager's to report)."""
-        refs = {w: h.snapshot.remote() for w, h in self.workers.items()}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=10)
+        return self._answers({w: h.snapshot.remote() for w, h in self.workers.items()})
+
+    @staticmethod
+    def _answers(refs: dict[str, Any], timeout_s: float = 10) -> dict[str, Any]:
+        """The answers that came within `timeout_s`, from actors still alive."""
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         out = {}
         for w, ref in refs.items():
             if ref in ready:
@@ -230,7 +235,7 @@ class ClusterRuntime:
     def request_eval(self, job: Any) -> str:
         """A held-out evaluation by the next live rollout in turn; returns its id."""
         live = sorted(self._live())
-        self.eval_turn = getattr(self, "eval_turn", -1) + 1
+        self.eval_turn += 1
         wid = live[self.eval_turn % len(live)]
         self.workers[wid].request_eval.remote(job)
         return wid
@@ -238,16 +243,7 @@ class ClusterRuntime:
     def take_records(self, close: bool = False) -> dict[str, dict[str, Any]]:
         """Per live rollout: evaluations finished, timeline spans and environment latencies
         since the last call (rollouts that do not answer within 10 s are skipped this time)."""
-        refs = {w: h.take_records.remote(close) for w, h in self._live().items()}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=10)
-        out = {}
-        for w, ref in refs.items():
-            if ref in ready:
-                try:
-                    out[w] = ray.get(ref)
-                except ray.exceptions.RayActorError:
-                    pass
-        return out
+        return self._answers({w: h.take_records.remote(close) for w, h in self._live().items()})
 
     def idle(self, seconds: float) -> None:
         time.sleep(seconds)  # the loops run in their own threads
