@@ -33,6 +33,13 @@ def summarize(trajs: list[Trajectory]) -> dict[str, Any]:
     }
 
 
+def evenly(values: list[Any], at_most: int) -> list[Any]:
+    """At most `at_most` of `values`, drawn evenly from first to last (all when fewer)."""
+    if len(values) <= at_most:
+        return list(values)
+    return [values[i] for i in np.linspace(0, len(values) - 1, at_most).astype(int)]
+
+
 def set_aside(path: Path) -> None:
     """Move an earlier run's file out of the way (name.<time>.jsonl) instead of mixing runs."""
     if path.exists():

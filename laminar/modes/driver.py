@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from laminar.metrics import MetricsLogger, read_metrics, read_rows, reward_trend
+from laminar.metrics import MetricsLogger, evenly, read_metrics, read_rows, reward_trend
 from laminar.rollout.evals import EvalJob
 from laminar.rollout.requests import sampling_params
 from laminar.runtime import TrainerRestarted
@@ -40,6 +40,7 @@ class Follower:
         self.view = LiveView(cfg.trainer.total_steps, cfg.metrics.live)
         self.view.__enter__()
         self.seen = 0
+        self.version = rt.start_version  # of the newest trainer row logged
         self.last_t = time.monotonic()
         self.last_counters: dict[str, Any] = {}
         self.kv_samples: dict[str, list[float]] = {}
@@ -70,9 +71,7 @@ class Follower:
 
     def final_eval(self) -> None:
         """The held-out score of the last version; waits for it (and any still running)."""
-        rows = read_metrics(self.cfg.resolved_run_dir) if self.seen else []
-        version = rows[-1]["version"] if rows else self.rt.start_version
-        self.ask_eval(step=version, at_least=version)
+        self.ask_eval(step=self.version, at_least=self.version)
         deadline = time.monotonic() + self.cfg.cluster.wait_timeout_s
         while set(self.evals_asked) - self.evals_done and time.monotonic() < deadline:
             self.rt.idle(0.2)
@@ -122,8 +121,7 @@ class Follower:
             "kv_util_by_rollout": {w: float(np.mean(v)) for w, v in self.kv_samples.items() if v},
             "pulls": pulls, "pull_latency_s": pull_s / pulls if pulls else None,
             "repacks": manager["repacks"], "moved_trajectories": manager["moved_trajectories"],
-            "env_latency_s": [self.env_latency[i] for i in
-                              np.linspace(0, len(self.env_latency) - 1, min(64, len(self.env_latency))).astype(int)],
+            "env_latency_s": evenly(self.env_latency, 64),
         }
         self.kv_samples, self.env_latency = {}, []
         every, total = self.cfg.trainer.eval_every, self.cfg.trainer.total_steps
@@ -136,6 +134,7 @@ class Follower:
             step_s = row.get("update_interval_s")
             row["trainer_idle_frac"] = row["trainer_idle_s"] / step_s if step_s else None
             self.view.row(self.logger.log(row["version"], row))
+            self.version = row["version"]
             for what, start, end in spans:
                 self.logger.write("span", {"who": "trainer", "what": what, "version": row["version"],
                                            "start": self.logger.since_start(start),

@@ -12,7 +12,6 @@ fire-and-forget (Ray keeps one caller's calls to one actor in order).
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
 import time
@@ -112,9 +111,7 @@ class RolloutActor:
                        RayBuffer(pools["buffer"]), RelayWeights(relay, cfg.relay))
         task = Task(cfg.task.name, [], [], resolve_reward(cfg.task.reward))
         finisher = Finisher(task, tokenizer, cfg.rollout.env_latency, seed)
-        evaluator = Evaluator(lambda: build_engine(
-            cfg.rollout.engine, copy.deepcopy(engine.model), tokenizer.eos_token_id,
-            tokenizer.pad_token_id, engine.version, seed), tokenizer, task)
+        evaluator = Evaluator.copying(engine, cfg.rollout.engine, tokenizer, task, seed)
         self.loop = RolloutLoop(rollout_id, engine, io, policy, finisher, sampling_params(cfg),
                                 cfg.rollout, cfg.cluster.heartbeat_s, evaluator)
         self.stop_event = threading.Event()

@@ -1,7 +1,7 @@
 """Held-out evaluation inside a rollout, without stalling anyone.
 
-    job = EvalJob("step10", step=10, at_least=10, items=task.eval, max_new_tokens=64, seed=0)
-    evaluator.queue(job)
+    evaluator = Evaluator.copying(engine, cfg.rollout.engine, tokenizer, task, seed)
+    evaluator.queue(EvalJob("step10", step=10, at_least=10, items=task.eval, params=params))
     evaluator.step(weights)        # from the rollout loop's step: one engine step of the eval
     evaluator.take()               # finished results: [{"step": 10, "version": 11, ...}]
 
@@ -17,6 +17,7 @@ loop step: the evaluation shares the rollout's CPU with generation instead of pa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 import zlib
@@ -48,12 +49,17 @@ class Evaluator:
         self.t0 = 0.0
         self.results: list[dict[str, Any]] = []
 
+    @classmethod
+    def copying(cls, engine: Any, engine_cfg: Any, tokenizer: Any, task: Any, seed: int) -> "Evaluator":
+        """An evaluator whose engine, built on first use, is a copy of `engine` (its model,
+        weights and version at that moment)."""
+        from laminar.engine import build_engine
+
+        return cls(lambda: build_engine(engine_cfg, copy.deepcopy(engine.model), tokenizer.eos_token_id,
+                                        tokenizer.pad_token_id, engine.version, seed), tokenizer, task)
+
     def queue(self, job: EvalJob) -> None:
         self.jobs.append(job)
-
-    @property
-    def busy(self) -> bool:
-        return self.job is not None
 
     @property
     def pending(self) -> int:
@@ -74,15 +80,6 @@ class Evaluator:
     def take(self) -> list[dict[str, Any]]:
         out, self.results = self.results, []
         return out
-
-    def drop(self) -> int:
-        """Forget queued and running jobs (the rollout stops); how many there were."""
-        n = self.pending
-        if self.job is not None:
-            self.engine.abort(list(self.requests))
-        self.jobs.clear()
-        self.job, self.requests, self.left = None, {}, 0
-        return n
 
     def _start(self, weights: Any) -> bool:
         if not self.jobs:

@@ -19,6 +19,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from laminar.config import EnvLatencyConfig
+from laminar.metrics import evenly
 from laminar.models.tokenizer import decode_response
 from laminar.tasks import Task
 from laminar.types import GenerationRequest, PromptGroup, Trajectory
@@ -43,7 +44,6 @@ class Finisher:
         self.reward_errors = 0
         self.delays: list[float] = []  # emulated environment latencies since the last take
 
-
     def add(self, req: GenerationRequest, group: PromptGroup) -> None:
         scored = self.task.score(group.item, decode_response(self.tokenizer, req.output_ids))
         self.reward_errors += scored.error is not None
@@ -65,9 +65,7 @@ class Finisher:
     def take_delays(self, at_most: int = 64) -> list[float]:
         """Up to `at_most` of the environment latencies since the last call, drawn evenly."""
         out, self.delays = self.delays, []
-        if len(out) > at_most:
-            out = [out[i] for i in np.linspace(0, len(out) - 1, at_most).astype(int)]
-        return [round(d, 4) for d in out]
+        return [round(d, 4) for d in evenly(out, at_most)]
 
     def __len__(self) -> int:
         return len(self.waiting)

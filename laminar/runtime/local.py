@@ -13,7 +13,6 @@ loops are stepped (during generation, a sync, or `idle`).
 
 from __future__ import annotations
 
-import copy
 import time
 import zlib
 from functools import partial
@@ -118,9 +117,7 @@ class LocalRuntime:
         io = RolloutIO(LocalPrompts(self.prompts), LocalPartials(self.partials),
                        LocalBuffer(self.buffer), BoardWeights(self.board))
         finisher = Finisher(self.task, self.tokenizer, cfg.rollout.env_latency, seed)
-        evaluator = Evaluator(lambda: build_engine(
-            cfg.rollout.engine, copy.deepcopy(engine.model), self.tokenizer.eos_token_id,
-            self.tokenizer.pad_token_id, engine.version, seed), self.tokenizer, self.task)
+        evaluator = Evaluator.copying(engine, cfg.rollout.engine, self.tokenizer, self.task, seed)
         return RolloutLoop(rollout_id, engine, io, self.policy, finisher, sampling_params(cfg),
                            cfg.rollout, cfg.cluster.heartbeat_s, evaluator)
 
