@@ -6,9 +6,10 @@
     laminar simulate --report docs/simulator.md                 # regenerate the fidelity report
     laminar simulate --calibration local.json                   # a measured machine (local.py)
 
-Prints a table, writes JSON (`--out`; keys `throughput_by_mode`, per point `model`, `gpus`)
-and a Fig. 11-style bar chart (`--plot`). `--quick` simulates fewer updates, coarser.
-Bad arguments exit 2 with a message naming what is allowed.
+Prints a table, writes JSON (`--out`; for a point: `model`, `gpus`, `throughput_by_mode`,
+`details`; for `--grid`: `points`, a list of those, and `fidelity`, fitted vs held-out ratios
+as `fit.fidelity` counts them) and a Fig. 11-style bar chart (`--plot`). `--quick`
+simulates fewer updates, coarser. Bad arguments exit 2 with a message naming what is allowed.
 """
 
 from __future__ import annotations
@@ -94,11 +95,14 @@ def _run(args: argparse.Namespace) -> int:
     elif args.grid or args.report:
         from laminar.sim.report import grid_table, write_report
         from laminar.sim.run import simulate_grid
-        out = simulate_grid(cal=cal, seed=args.seed, warmup=warmup, measure=measure,
-                            modes=modes)
-        grid_table(out)
+        from laminar.sim.fit import fidelity
+        grid = simulate_grid(cal=cal, seed=args.seed, warmup=warmup, measure=measure,
+                             modes=modes)
+        grid_table(grid)
+        out = {"points": grid, "fidelity": fidelity(grid)}
+        _print_fidelity(out["fidelity"])
         if args.report:
-            write_report(Path(args.report), out, cal, warmup, measure, args)
+            write_report(Path(args.report), grid, cal, warmup, measure, args)
     else:
         gpus = args.gpus if args.gpus is not None else paper.SCALES[args.model][-1]
         if gpus not in paper.SCALES[args.model]:
@@ -116,7 +120,18 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}")
     if args.plot:
         from laminar.sim.report import plot
-        points = out if isinstance(out, list) else [out]
+        points = out["points"] if "points" in out else [out]
         plot([p for p in points if p.get("model") in paper.MODELS], Path(args.plot))
         print(f"wrote {args.plot}")
     return 0
+
+
+def _print_fidelity(f: dict[str, Any]) -> None:
+    def side(name: str) -> str:
+        n, ok = f[f"{name}_points"], f[f"{name}_within_25pct"]
+        return f"{ok} of {n}" if n else "none simulated"
+
+    worst = f["heldout_worst_error"]
+    print(f"within ±25% of the paper: fitted ratios {side('fit')}, held-out {side('heldout')}"
+          + (f"; worst held-out {worst['ratio']} {worst['error']:+.0%}" if worst else "")
+          + f" ({f['fitted_constants']['count']} constants fitted on the fit set)")
