@@ -16,6 +16,7 @@ BENCHMARKS = {
     "engine": "laminar.bench.engine",
     "relay": "laminar.bench.relay",
     "modes": "laminar.bench.modes",
+    "index": "laminar.bench.results",  # not a benchmark: the table of docs/results/*.json
 }
 
 

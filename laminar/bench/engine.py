@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from laminar.bench.provenance import provenance
 from laminar.config import ReverseTaskConfig
 from laminar.engine import Engine, HFEngine
 from laminar.models import PAD_ID, build_char_tokenizer, build_preset, encode_prompt
@@ -238,20 +239,21 @@ def main(quick: bool = False, out: str | None = None) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     load_before = os.getloadavg()[0]
+    presets = ("tiny",) if quick else ("tiny", "small")
+    sizes = dict(num_requests=256, repeats=1, latency_steps=12) if quick else \
+        dict(num_requests=512, repeats=3, latency_steps=32)
     try:
-        if quick:
-            results = [bench_preset("tiny", num_requests=256, repeats=1, latency_steps=12)]
-        else:
-            results = [bench_preset(preset, num_requests=512, repeats=3, latency_steps=32)
-                       for preset in ("tiny", "small")]
+        results = [bench_preset(preset, **sizes) for preset in presets]
     finally:
         torch.set_num_threads(threads)
     print_report(results)
     # other processes on the machine inflate wall times (not CPU times): keep the evidence
     load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     print(f"load average (1 min) before/after: {load[0]} / {load[1]} on {os.cpu_count()} CPUs")
+    config = {"quick": quick, "presets": list(presets), **sizes, "threads": THREADS,
+              "max_batch_size": MAX_BATCH_SIZE, "batch_sizes": list(BATCH_SIZES)}
     report = {**results[0], "threads": THREADS, "load_average_before_after": load,
-              "presets": {r["preset"]: r for r in results}}
+              "presets": {r["preset"]: r for r in results}, "provenance": provenance(config)}
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=2))
@@ -270,6 +272,7 @@ def main(quick: bool = False, out: str | None = None) -> dict:
 _HISTORY_SNIPPET = r"""
 import sys, time, torch
 torch.set_num_threads(1)
+from laminar.bench.provenance import provenance
 from laminar.config import ReverseTaskConfig
 from laminar.engine import Engine, HFEngine
 from laminar.models import PAD_ID, build_char_tokenizer, build_preset, encode_prompt

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from laminar.bench.links import Netns
+from laminar.bench.provenance import provenance
 from laminar.bench.relay_node import RelayProcess
 from laminar.bench.relay_ray import ray_in_namespaces
 from laminar.config import RelayConfig
@@ -76,6 +77,8 @@ def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
         res["by_size"][f"{m}MiB"]["ray_s_by_p"] = ray_res.get(f"{m}MiB", {})
     res["ray_note"] = ray_res.get("note", "one Ray node per namespace, same links")
     _headline(res, f"{max(sizes)}MiB")
+    res["provenance"] = provenance({"quick": quick, "nodes": NODES, "rate_mbit": rate,
+                                    "sizes_mib": sizes, "chain_lengths": ps, "reps": reps})
     _print_table(res)
     if out:
         Path(out).write_text(json.dumps(res, indent=2))

@@ -96,10 +96,11 @@ def _run(args: argparse.Namespace) -> int:
         from laminar.sim.report import grid_table, write_report
         from laminar.sim.run import simulate_grid
         from laminar.sim.fit import fidelity
+        from laminar.bench.provenance import provenance
         grid = simulate_grid(cal=cal, seed=args.seed, warmup=warmup, measure=measure,
                              modes=modes)
         grid_table(grid)
-        out = {"points": grid, "fidelity": fidelity(grid)}
+        out = {"points": grid, "fidelity": fidelity(grid), "provenance": provenance(vars(args))}
         _print_fidelity(out["fidelity"])
         if args.report:
             write_report(Path(args.report), grid, cal, warmup, measure, args)

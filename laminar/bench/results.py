@@ -1,0 +1,150 @@
+"""The results index: one table of every result JSON in a folder, with its provenance.
+
+    python -m laminar.bench.results docs/results      # writes docs/results/README.md
+    laminar bench index [--out docs/results/README.md]
+
+Each JSON that carries a `provenance` key (see provenance.py) becomes a row: its headline
+figure, the command that wrote it, commit, date and machine. The headline is picked by the keys
+the JSON has — engine, relay, simulator grid or bench modes — and quotes the numbers their docs
+quote. JSONs without provenance are listed by file name under "older results".
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+INDEX = "README.md"
+
+
+def write_index(results_dir: Path, out: Path | None = None) -> Path:
+    """Write the index of `results_dir`/*.json to `out` (default: README.md in that folder)."""
+    out = out if out is not None else results_dir / INDEX
+    files = sorted(results_dir.glob("*.json"))
+    if not files:
+        raise SystemExit(f"no *.json in {results_dir}: nothing to index")
+    out.write_text(render({f.name: json.loads(f.read_text()) for f in files}))
+    return out
+
+
+def render(results: dict[str, Any]) -> str:
+    """The markdown index of {file name: parsed JSON}."""
+    rows, older = [], []
+    for name, data in results.items():
+        if isinstance(data, dict) and isinstance(data.get("provenance"), dict):
+            p = data["provenance"]
+            rows.append([f"[{name}]({name})", headline(data), f"`{p.get('command') or '?'}`",
+                         _commit(p), _date(p), _machine(p)])
+        else:
+            older.append(name)
+    lines = ["# Results", "",
+             "Written by `python -m laminar.bench.results docs/results` (`make bench` runs every",
+             "benchmark, then this). Each row is one JSON in this folder; the figure is its",
+             "headline, the rest is its `provenance`.", "",
+             "| file | figure | command | commit | date | machine |",
+             "|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    if older:
+        lines += ["", "## Older results (no provenance)", ""]
+        lines += [f"- [{name}]({name})" for name in older]
+    return "\n".join(lines) + "\n"
+
+
+def headline(data: dict[str, Any]) -> str:
+    """The numbers the docs quote from this result, recognised by its keys."""
+    if "presets" in data and "ratio_native_vs_static" in data:
+        return _engine(data)
+    if "chain_ratio_p8_p2" in data:
+        return _relay(data)
+    if "fidelity" in data:
+        return _simulator(data["fidelity"])
+    if "ratio_laminar_vs" in data:
+        return _modes(data)
+    return "—"
+
+
+def _engine(d: dict[str, Any]) -> str:
+    parts = [f"{name}: native vs static {r['ratio_native_vs_static']:.2f}x tokens/s "
+             f"({r['native_tokens_per_s']:,.0f} vs {r['static_tokens_per_s']:,.0f}; "
+             f"CPU time {r['ratio_native_vs_static_cpu']:.2f}x; ideal {r['ideal_ratio']:.2f}x)"
+             for name, r in d["presets"].items()]
+    return "; ".join(parts)
+
+
+def _relay(d: dict[str, Any]) -> str:
+    size = d.get("headline_size", "")
+    chain_model = ", ".join(f"p{p} {v:.2f}" for p, v in d.get("chain_over_model_by_p", {}).items())
+    return (f"{size}: chain p8/p2 {d['chain_ratio_p8_p2']:.2f}x time; star/chain p8 "
+            f"{d['star_over_chain_p8']:.2f}x; push stall p8/p2 {d['push_stall_ratio_p8_p2']:.2f}; "
+            f"pull/memcpy {d['pull_over_memcpy']:.2f}; chain/model {chain_model}")
+
+
+def _simulator(f: dict[str, Any]) -> str:
+    worst = f.get("heldout_worst_error") or {}
+    text = (f"held out: {f['heldout_within_25pct']} of {f['heldout_points']} ratios within ±25%")
+    if worst:
+        text += f", worst {worst['ratio']} {worst['error']:+.0%}"
+    text += f"; fitted: {f['fit_within_25pct']} of {f['fit_points']}"
+    constants = f.get("fitted_constants") or {}
+    if "count" in constants:
+        text += f"; {constants['count']} constants fitted"
+    return text
+
+
+def _modes(d: dict[str, Any]) -> str:
+    parts = ["laminar vs " + _ratios(d["ratio_laminar_vs"])]
+    control = d.get("control_env_latency_off")
+    if isinstance(control, dict):
+        control = control.get("ratio_laminar_vs", control)
+        if all(isinstance(v, (int, float)) for v in control.values()):
+            parts.append("env latency off: " + _ratios(control))
+    if d.get("heldout_start") is not None and d.get("heldout_target") is not None:
+        parts.append(f"held-out start {d['heldout_start']:.3f}, target {d['heldout_target']:.3f}")
+    reached = d.get("time_to_heldout_target_s_by_mode")
+    if isinstance(reached, dict):
+        parts.append("time to held-out target: " + ", ".join(
+            f"{mode} {'never' if s is None else f'{s:.0f} s'}" for mode, s in reached.items()))
+    return "; ".join(parts)
+
+
+def _ratios(by_mode: dict[str, float]) -> str:
+    return ", ".join(f"{mode} {r:.2f}x" for mode, r in by_mode.items())
+
+
+def _commit(p: dict[str, Any]) -> str:
+    if not p.get("commit"):
+        return "not a git checkout"
+    return f"`{p['commit'][:7]}`" + (" (dirty)" if p.get("dirty") else "")
+
+
+def _date(p: dict[str, Any]) -> str:
+    date = p.get("date") or "?"
+    return date.replace("T", " ").replace("+00:00", " UTC")
+
+
+def _machine(p: dict[str, Any]) -> str:
+    return f"{p.get('cpu') or '?'}, {p.get('cores') or '?'} cores"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def main(quick: bool = False, out: str | None = None) -> Path:
+    """`laminar bench index`: index the folder of `out` (default docs/results/README.md).
+
+    `quick` is accepted for the shape every `laminar bench` entry shares; indexing measures
+    nothing, so it changes nothing.
+    """
+    target = Path(out) if out else Path("docs/results") / INDEX
+    written = write_index(target.parent, target)
+    print(f"wrote {written}")
+    return written
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
+        raise SystemExit("usage: python -m laminar.bench.results RESULTS_DIR")
+    main(out=str(Path(sys.argv[1]) / INDEX))
