@@ -272,7 +272,6 @@ def main(quick: bool = False, out: str | None = None) -> dict:
 _HISTORY_SNIPPET = r"""
 import sys, time, torch
 torch.set_num_threads(1)
-from laminar.bench.provenance import provenance
 from laminar.config import ReverseTaskConfig
 from laminar.engine import Engine, HFEngine
 from laminar.models import PAD_ID, build_char_tokenizer, build_preset, encode_prompt
