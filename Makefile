@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install clean
+.PHONY: run test install bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,18 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Every benchmark at full size (engine, relay, simulator grid, modes: bench modes is most of the
+# time), then the index docs/results/README.md.
+# The bench extra (TRL for `bench modes`) is installed on top; the torch installed above stays.
+RESULTS := docs/results
+bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[dev,plots,bench]"
+	$(BIN)/laminar bench engine --out $(RESULTS)/bench-engine.json
+	$(BIN)/laminar bench relay --out $(RESULTS)/bench-relay.json
+	$(BIN)/laminar simulate --grid --out $(RESULTS)/sim-grid.json
+	$(BIN)/laminar bench modes --out $(RESULTS)/bench-modes.json
+	$(BIN)/python -m laminar.bench.results $(RESULTS)
 
 clean:
 	rm -rf $(VENV) runs
