@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="modes only: comma-separated subset of laminar,sync,one_step,stream,"
                         "partial,trl (default: all)")
     p.add_argument("--steps", type=int, default=None, help="modes only: trainer steps per mode")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="modes only: runs of every mode (default 3; 1 with --quick)")
+    p.add_argument("--no-control", dest="control", action="store_false", default=None,
+                   help="modes only: skip the control runs with the env latency off")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="modes only: change the shared workload (repeatable), e.g. "
                         "--set rollout.num_workers=4")
@@ -80,12 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             run_sft(load_config(args.config, args.overrides))
         elif args.command == "bench":
             module = importlib.import_module(BENCHMARKS[args.name])
-            extra = {"modes": args.modes, "steps": args.steps, "overrides": args.overrides}
+            extra = {"modes": args.modes, "steps": args.steps, "overrides": args.overrides,
+                     "repeats": args.repeats, "control": args.control}
             if args.name == "modes":
                 module.main(quick=args.quick, out=args.out, **extra)
-            elif any(extra.values()):
-                raise ConfigError(f"--modes, --steps and --set apply to `laminar bench modes` "
-                                  f"only, not to `{args.name}`")
+            elif any(v is not None and v != [] for v in extra.values()):
+                raise ConfigError("--modes, --steps, --repeats, --no-control and --set apply to "
+                                  f"`laminar bench modes` only, not to `{args.name}`")
             else:
                 module.main(quick=args.quick, out=args.out)
         elif args.command == "report":

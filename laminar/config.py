@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Mode = Literal["laminar", "sync", "one_step", "stream", "partial"]
 MODES: tuple[str, ...] = get_args(Mode)  # the one list of schedules (laminar/modes/<mode>.py)
@@ -210,6 +210,10 @@ class TrainerConfig(Section):
     eval_every: int = Field(10, ge=0, description="Held-out evaluation (greedy and sampled, on "
                             "task.eval_prompts prompts) every N trainer steps, run by a rollout "
                             "while the trainer goes on; also at the start and the end (0 = only then).")
+    eval_every_s: float = Field(
+        0.0, ge=0.0, description="Also evaluate the newest version every this many seconds of "
+        "wall-clock time since the rollouts started (0 = off): schedules that update at different "
+        "rates are then scored on the same clock (`laminar bench modes` uses it).")
 
 
 class SFTConfig(Section):
@@ -262,6 +266,11 @@ class MetricsConfig(Section):
     mlflow_tracking_uri: str | None = Field(None, description="MLflow tracking URI; unset = ./mlruns.")
     live: Literal["auto", "on", "off"] = Field("auto", description="Live view during training: "
                                                "`auto` = when stdout is a terminal, else plain lines.")
+
+    @field_validator("live", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:  # YAML reads a bare on/off as a boolean
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 class Config(Section):

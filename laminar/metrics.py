@@ -56,9 +56,10 @@ class MetricsLogger:
     MLflow: laminar/sinks.py), each an object with `write(row)` and `close()`."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, console: bool = True,
-                 fresh: bool = True, sinks: list[Any] | None = None) -> None:
+                 fresh: bool = True, sinks: list[Any] | None = None, t0: float | None = None) -> None:
         """`fresh`: a new run; an earlier run's metrics in the same directory are kept aside
-        as metrics.<time>.jsonl rather than mixed in (a resumed run appends instead)."""
+        as metrics.<time>.jsonl rather than mixed in (a resumed run appends instead); `t0`:
+        the unix time rows count from (default: now)."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if fresh:
@@ -66,7 +67,7 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.console = console
         self.sinks = list(sinks or [])
-        self.t0 = time.time()
+        self.t0 = time.time() if t0 is None else t0
 
     def since_start(self, unix_time: float) -> float:
         return round(unix_time - self.t0, 3)

@@ -57,3 +57,22 @@ def test_resume_gives_the_identical_next_step(tmp_path):
     assert [r["step"] for r in again] == [3]
     for key in ("loss", "reward", "grad_norm", "response_tokens"):
         assert again[0][key] == step3[key], key
+
+
+def test_held_out_evaluations_on_a_wall_clock_schedule(tmp_path):
+    """trainer.eval_every_s: the newest version is scored every so many seconds (here at every
+    poll), each version once, and the bench's held-out curve times each point by its version's
+    publication."""
+    from laminar.bench.learning import heldout_curve
+
+    cfg = load_config("examples/reverse-sync.yaml", SMALL + [
+        f"run_dir={tmp_path}", "trainer.total_steps=3", "trainer.eval_every=0",
+        "trainer.eval_every_s=0.001"])
+    run(cfg)
+    versions = [e["version"] for e in read_rows(tmp_path, "eval")]
+    assert sorted(versions) == [0, 1, 2, 3]
+    curve = heldout_curve(read_rows(tmp_path))
+    published = {r["version"]: r["time"] for r in read_metrics(tmp_path)}
+    assert [p[1] for p in curve] == [0, 1, 2, 3]
+    assert [p[0] for p in curve] == [0.0] + [published[v] for v in (1, 2, 3)]
+    assert 0.0 < curve[1][0] < curve[2][0] < curve[3][0]  # seconds since the rollouts started

@@ -1,14 +1,23 @@
-"""`laminar bench modes`: the five schedules side by side, plus TRL's GRPOTrainer for reference.
+"""`laminar bench modes`: the five schedules side by side as an experiment, plus TRL's
+GRPOTrainer for reference.
 
 Same model (the cached SFT warm start of the tiny preset), data, seeds, rollout workers, global
-batch and number of trained samples for every mode, with the emulated environment latency on.
-Reported per mode: training throughput (the paper's metric, averaged after warm-up), time to a
-target reward, the staleness histogram and the reward-vs-wall-clock curve.
+batch and number of trained samples for every mode. The headline is learning against the
+wall clock: every mode scores the same held-out prompts greedily on the same wall-clock
+schedule (`trainer.eval_every_s`), and the benchmark reports when each first reaches a target
+fixed by rule before the run: the warm start's score plus 90% of sync's final gain
+(laminar/bench/learning.py). Training tokens/s stands beside it.
 
-    laminar bench modes [--quick] [--out FILE]
+    laminar bench modes [--quick] [--repeats N] [--no-control] [--out FILE]
 
-JSON keys: throughput_by_mode (tokens/s, with `trl`), ratio_laminar_vs (per mode and `trl`),
-staleness_hist_by_mode, reward_curve_by_mode, plus time_to_target_s_by_mode and the workload.
+Each mode runs `--repeats` times (3; the modes' order rotates every repeat) with the emulated
+environment latency on, then the same again with it off (the control: what asynchrony gives
+without tool latency). Ratios are paired per repeat and reported as median and min-max.
+
+JSON keys (docs/performance.md): heldout_by_mode, heldout_start, heldout_target,
+time_to_heldout_target_s_by_mode, repeats, ratio_laminar_vs (medians), ratio_laminar_vs_range,
+throughput_by_mode, control_env_latency_off, trl, provenance; and, per mode and repeat,
+everything measured (`runs`).
 """
 
 from __future__ import annotations
@@ -22,20 +31,30 @@ from typing import Any
 
 import numpy as np
 
+from laminar.bench import learning
 from laminar.config import MODES, Config, load_config
-from laminar.metrics import read_metrics
+from laminar.metrics import read_metrics, read_rows
 
 # The workload, the same for every schedule. Lengths follow the reverse task's default long
 # tail (p99/p50 ~ 10); each trajectory also waits on an emulated tool call (log-normal latency).
+# The reward is exact match, what the held-out score measures; the warm start (300 SFT steps,
+# not capped by time, so every machine starts from the same model) reverses strings of up to 3
+# characters and gets longer ones right only sometimes when sampling: room for RL to learn.
 WORKLOAD = [
     "model.preset=tiny", "rollout.num_workers=2", "cluster.virtual_nodes=2",
     "rollout.group_size=8", "rollout.batch_groups=4", "rollout.max_new_tokens=80",
     "rollout.engine.max_batch_size=64", "rollout.engine.kv_capacity_tokens=4096",
     "rollout.env_latency.enabled=true", "rollout.env_latency.median_s=0.15",
     "rollout.env_latency.sigma=1.0", "rollout.env_latency.max_s=3.0",
-    "trainer.prompts_per_step=32", "trainer.mini_batches=2", "trainer.lr=5e-4",
+    "task.reward=laminar.tasks.rewards:exact_match_reward", "task.eval_prompts=256",
+    "sft.steps=300", "sft.max_seconds=3600",
+    "trainer.prompts_per_step=32", "trainer.mini_batches=2", "trainer.lr=3e-4",
     "trainer.threads=1", "rollout.threads=1",
+    "trainer.eval_every=0", "trainer.eval_every_s=4", "trainer.checkpoint_every=0",
+    "metrics.tensorboard=false", "metrics.live=off",
 ]
+CONTROL = ["rollout.env_latency.enabled=false"]  # the control: no tool latency
+STEPS, QUICK_STEPS = 100, 12
 # The policy objective of each schedule (trainer.old_logprobs), as in the paper's Table 3:
 # GRPO against the engine's log-probs, except partial rollout, whose trajectories mix weight
 # versions: AReaL trains them with decoupled PPO, which recomputes proximal log-probs (one
@@ -44,6 +63,7 @@ WORKLOAD = [
 REFERENCE_OLD_LOGPROBS = {"laminar": "rollout", "sync": "rollout", "one_step": "rollout",
                           "stream": "rollout", "partial": "decoupled"}
 WARMUP_STEPS = 3  # the first updates include actor start-up and the first batch's fill
+TRL_STEPS = 20  # TRL is timed, not raced to the target: tokens/s after warm-up
 
 
 def bench_config(mode: str, steps: int, run_dir: Path, overrides: list[str] = ()) -> Config:
@@ -75,25 +95,14 @@ def breakdown(rows: list[dict[str, Any]]) -> dict[str, float | None]:
 
 
 def reward_curve(rows: list[dict[str, Any]], window: int = 10) -> list[tuple[float, float]]:
-    """(seconds since the first update, moving-average training reward)."""
-    t0 = rows[0]["time"]
+    """(seconds since the rollouts started, moving-average training reward)."""
     rewards = [r["reward"] for r in rows]
-    return [(round(r["time"] - t0, 3), float(np.mean(rewards[max(0, i - window + 1):i + 1])))
+    return [(round(r["time"], 3), float(np.mean(rewards[max(0, i - window + 1):i + 1])))
             for i, r in enumerate(rows)]
 
 
-def time_to(curve: list[tuple[float, float]], target: float, window: int = 10) -> float | None:
-    """First time the moving average (over a full window) reaches `target`."""
-    return next((t for t, r in curve[window - 1:] if r >= target), None)
-
-
-def reward_at(curve: list[tuple[float, float]], seconds: float) -> float:
-    """The moving-average reward a run had reached `seconds` after its first update."""
-    reached = [r for t, r in curve if t <= seconds]
-    return reached[-1] if reached else curve[0][1]
-
-
 def run_mode(mode: str, steps: int, root: Path, overrides: list[str] = ()) -> dict[str, Any]:
+    """One training run of `mode`; everything the benchmark reports about it."""
     from laminar.bench.cpu import CpuMeter
     from laminar.modes import run_training
 
@@ -105,72 +114,16 @@ def run_mode(mode: str, steps: int, root: Path, overrides: list[str] = ()) -> di
     hist: Counter = Counter()
     for r in rows:
         hist.update({int(k): v for k, v in r["staleness_hist"].items()})
-    return {"throughput": throughput(rows), "curve": reward_curve(rows),
-            "staleness": dict(sorted(hist.items())), "wall_s": time.perf_counter() - t0,
-            "breakdown": breakdown(rows), "old_logprobs": cfg.trainer.old_logprobs,
+    curve = learning.heldout_curve(read_rows(cfg.resolved_run_dir))
+    return {"throughput": throughput(rows), "heldout": curve, "reward_curve": reward_curve(rows),
+            "heldout_start": curve[0][2] if curve and curve[0][1] == 0 else None,
+            "heldout_final": curve[-1][2] if curve and curve[-1][1] == steps else None,
+            "train_wall_s": rows[-1]["time"], "staleness": dict(sorted(hist.items())),
+            "wall_s": round(time.perf_counter() - t0, 1), "breakdown": breakdown(rows),
+            "old_logprobs": cfg.trainer.old_logprobs,
             "cpu": {"wall_s": round(cpu.wall_s, 1), "seconds": cpu.seconds,
                     "per_trained_ktoken": round(sum(cpu.seconds.values()) * 1000
                                                 / sum(r["batch_tokens"] for r in rows), 3)}}
-
-
-def run_trl(steps: int, root: Path, overrides: list[str] = ()) -> dict[str, Any]:
-    """TRL's GRPOTrainer on the same warm-started model, tokenizer, prompts, reward and batch."""
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from laminar.models import load_pretrained
-    from laminar.tasks import build_task
-    from laminar.tasks.rewards import similarity_reward
-    from laminar.trainer.sft import run_sft
-
-    cfg = bench_config("sync", steps, root / "trl", overrides)
-    torch.set_num_threads(2)  # one process: TRL gets both cores
-    model, tokenizer = load_pretrained(run_sft(cfg))
-    task = build_task(cfg.task)
-    bos = tokenizer.bos_token
-    data = Dataset.from_list([{"prompt": bos + it.prompt, "answer": it.answer} for it in task.train])
-
-    env = cfg.rollout.env_latency
-    rng = np.random.default_rng(cfg.trainer.seed)
-
-    def reward(completions, answer, **_):
-        # the same emulated tool call per completion; a synchronous batch waits for its slowest
-        if env.enabled:
-            calls = env.median_s * np.exp(env.sigma * rng.standard_normal(len(completions)))
-            time.sleep(float(np.minimum(calls, env.max_s).max()))
-        return [similarity_reward("", c, a) for c, a in zip(completions, answer)]
-
-    stamps: list[tuple[float, float, float]] = []  # (time, cumulative tokens, reward)
-
-    class Clock(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "num_tokens" in logs:
-                stamps.append((time.perf_counter(), float(logs["num_tokens"]), float(logs.get("reward", 0))))
-
-    group, prompts = cfg.rollout.group_size, cfg.trainer.prompts_per_step
-    args = GRPOConfig(
-        output_dir=str(root / "trl"), use_cpu=True, bf16=False, seed=cfg.trainer.seed,
-        per_device_train_batch_size=group * prompts // cfg.trainer.mini_batches,
-        steps_per_generation=cfg.trainer.mini_batches, num_generations=group,
-        max_completion_length=cfg.rollout.max_new_tokens, temperature=1.0, top_k=0, top_p=1.0,
-        learning_rate=cfg.trainer.lr, lr_scheduler_type="constant", beta=0.0, epsilon=0.2,
-        epsilon_high=0.28, loss_type="dapo", max_steps=steps * cfg.trainer.mini_batches,
-        logging_steps=cfg.trainer.mini_batches, save_strategy="no", report_to="none",
-        disable_tqdm=True, dataloader_num_workers=0)
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[Clock()])
-    t0 = time.perf_counter()
-    trainer.train()
-    tail = stamps[WARMUP_STEPS:]
-    tokens_per_s = (tail[-1][1] - tail[0][1]) / (tail[-1][0] - tail[0][0])
-    curve = [(round(t - stamps[0][0], 3), r) for t, _, r in stamps]
-    return {"throughput": tokens_per_s, "curve": curve, "staleness": {0: len(stamps) * prompts * group},
-            "wall_s": time.perf_counter() - t0}
 
 
 def parse_modes(modes: str | None) -> list[str]:
@@ -185,68 +138,201 @@ def parse_modes(modes: str | None) -> list[str]:
     return chosen
 
 
+def rotated(modes: list[str], repeat: int) -> list[str]:
+    """The order of repeat `repeat`: rotated by one each time, so no mode always runs first
+    (with the one-time imports) or last (after the machine has warmed up)."""
+    k = repeat % len(modes) if modes else 0
+    return modes[k:] + modes[:k]
+
+
+def run_condition(modes: list[str], steps: int, repeats: int, root: Path,
+                  overrides: list[str], label: str) -> dict[str, list[dict[str, Any]]]:
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    for r in range(repeats):
+        for m in rotated(modes, r):
+            print(f"bench modes: {label}, repeat {r + 1}/{repeats}, {m} ...", flush=True)
+            runs[m].append(run_mode(m, steps, root / f"{label}-{r}", overrides))
+            res = runs[m][-1]
+            print(f"  {m}: {res['throughput']:.0f} tok/s, held-out "
+                  f"{_fmt(res['heldout_start'])} -> {_fmt(res['heldout_final'])} in "
+                  f"{res['train_wall_s']:.0f} s", flush=True)
+    return runs
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Medians, ranges, the held-out target and who reached it when, over one condition's runs."""
+    tput = {m: [r["throughput"] for r in rs] for m, rs in runs.items()}
+    others = [m for m in runs if m != "laminar"]
+    paired = {m: learning.paired_ratios(tput["laminar"], tput[m]) for m in others}
+    starts = [r["heldout_start"] for rs in runs.values() for r in rs if r["heldout_start"] is not None]
+    start = float(np.median(starts)) if starts else None
+    sync_finals = [r["heldout_final"] for r in runs.get("sync", []) if r["heldout_final"] is not None]
+    target = learning.heldout_target(start, sync_finals) if start is not None and sync_finals else None
+    ttt = {m: [learning.time_to_target(r["heldout"], target) if target is not None else None
+               for r in rs] for m, rs in runs.items()}
+    ttt_median = {m: learning.median_or_none(v) for m, v in ttt.items()}
+    lam = ttt_median.get("laminar")
+    return {
+        "throughput_by_mode": {m: float(np.median(v)) for m, v in tput.items()},
+        "throughput_by_mode_runs": tput,
+        "ratio_laminar_vs": {m: float(np.median(v)) for m, v in paired.items() if v},
+        "ratio_laminar_vs_range": {m: [min(v), max(v)] for m, v in paired.items() if v},
+        "heldout_start": start,
+        "heldout_final_by_mode": {m: learning.summary([r["heldout_final"] for r in rs
+                                                       if r["heldout_final"] is not None])
+                                  for m, rs in runs.items()},
+        "sync_heldout_gain": (float(np.median(sync_finals)) - start) if target is not None else None,
+        "heldout_target": target,
+        "time_to_heldout_target_s_by_mode": ttt_median,
+        "time_to_heldout_target_s_runs": ttt,
+        "heldout_speedup_laminar_vs": {m: v / lam for m, v in ttt_median.items()
+                                       if m != "laminar" and v is not None and lam},
+        "heldout_by_mode": {m: _median_run(rs, ttt[m])["heldout"] for m, rs in runs.items()},
+        "heldout_by_mode_runs": {m: [r["heldout"] for r in rs] for m, rs in runs.items()},
+        "staleness_hist_by_mode": {m: rs[0]["staleness"] for m, rs in runs.items()},
+        "reward_curve_by_mode": {m: rs[0]["reward_curve"] for m, rs in runs.items()},
+        "train_wall_s_by_mode": {m: [r["train_wall_s"] for r in rs] for m, rs in runs.items()},
+        "breakdown_by_mode": {m: rs[0]["breakdown"] for m, rs in runs.items()},
+        "cpu_by_mode": {m: rs[0]["cpu"] for m, rs in runs.items()},
+        "old_logprobs_by_mode": {m: rs[0]["old_logprobs"] for m, rs in runs.items()},
+    }
+
+
+def _median_run(runs: list[dict[str, Any]], times: list[float | None]) -> dict[str, Any]:
+    """The run whose time to the target is the median one (the first run when none got there)."""
+    order = sorted(range(len(runs)), key=lambda i: np.inf if times[i] is None else times[i])
+    return runs[order[(len(order) - 1) // 2]] if any(t is not None for t in times) else runs[0]
+
+
+def _fmt(x: float | None, spec: str = ".3f", none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
 def main(quick: bool = False, out: str | None = None, modes: str | None = None,
-         steps: int | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+         steps: int | None = None, overrides: list[str] | None = None,
+         repeats: int | None = None, control: bool | None = None) -> dict[str, Any]:
+    import os
+
     import ray
-    from rich.console import Console
-    from rich.table import Table
+
+    from laminar.bench import trl
+    from laminar.bench.provenance import provenance
 
     chosen = parse_modes(modes)
     overrides = list(overrides or [])
     bench_config("laminar", 1, Path("/tmp"), overrides)  # a bad --set fails before anything runs
-    steps = steps or (8 if quick else 40)
+    steps = steps or (QUICK_STEPS if quick else STEPS)
+    repeats = repeats or (1 if quick else 3)
+    control = (not quick) if control is None else control
+    with_trl = "trl" in chosen
+    if with_trl and not trl.available():
+        print(f"bench modes: skipping trl. {trl.INSTALL_HINT}", flush=True)
+        with_trl = False
+    schedules = [m for m in MODES if m in chosen]
     root = Path(tempfile.mkdtemp(prefix="laminar-bench-modes-"))
-    import os
+    print(f"bench modes: {len(schedules)} schedules x {repeats} repeats x {steps} steps"
+          f"{', then the env-latency-off control' if control else ''}; runs in {root}", flush=True)
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
-        results = {mode: run_mode(mode, steps, root, overrides) for mode in MODES if mode in chosen}
+        on = run_condition(schedules, steps, repeats, root, overrides, "env-on")
+        off = run_condition(schedules, steps, repeats, root, overrides + CONTROL, "env-off") \
+            if control else None
     finally:
         ray.shutdown()
-    if "trl" in chosen:
-        results["trl"] = run_trl(steps, root, overrides)
-
-    # target: the reward on-policy sync ends with (10-step moving average); who gets there first?
-    # (without sync in the run: laminar's own final reward)
-    reference = results["sync" if "sync" in results else "laminar"]["curve"][-1]
-    sync_end_s, target = reference
-    tput = {m: r["throughput"] for m, r in results.items()}
-    report = {
-        "workload": WORKLOAD + overrides, "steps": steps, "quick": quick,
-        "old_logprobs_by_mode": {m: r["old_logprobs"] for m, r in results.items()
-                                 if "old_logprobs" in r},
-        "throughput_by_mode": tput,
-        "ratio_laminar_vs": {m: tput["laminar"] / v for m, v in tput.items() if m != "laminar"},
-        "staleness_hist_by_mode": {m: r["staleness"] for m, r in results.items()},
-        "reward_curve_by_mode": {m: r["curve"] for m, r in results.items()},
-        "target_reward": target,
-        "time_to_target_s_by_mode": {m: time_to(r["curve"], target) for m, r in results.items()},
-        "reward_at_sync_end_by_mode": {m: reward_at(r["curve"], sync_end_s) for m, r in results.items()},
-        "wall_s_by_mode": {m: r["wall_s"] for m, r in results.items()},
-        "breakdown_by_mode": {m: r["breakdown"] for m, r in results.items() if "breakdown" in r},
-        "cpu_by_mode": {m: r["cpu"] for m, r in results.items() if "cpu" in r},
+    report: dict[str, Any] = {
+        "workload": WORKLOAD + overrides, "control_overrides": CONTROL, "steps": steps,
+        "quick": quick, "repeats": repeats, **summarize(on),
+        "control_env_latency_off": summarize(off) if off else None,
     }
-    table = Table(title=f"laminar bench modes ({steps} steps, env latency on)")
-    for col in ("mode", "tok/s", "laminar/mode", f"time to {target:.3f}",
-                f"reward at {sync_end_s:.0f}s", "staleness histogram"):
-        table.add_column(col)
-    for m in results:
-        ttt = report["time_to_target_s_by_mode"][m]
-        table.add_row(m, f"{tput[m]:.0f}", "-" if m == "laminar" else f"{report['ratio_laminar_vs'][m]:.2f}x",
-                      f"{ttt:.1f}s" if ttt is not None else "not reached",
-                      f"{report['reward_at_sync_end_by_mode'][m]:.3f}",
-                      " ".join(f"{k}:{v}" for k, v in report["staleness_hist_by_mode"][m].items()))
-    console = Console(width=150)
-    console.print(table)
-    detail = Table(title="where the time goes (means after warm-up)")
+    if with_trl:
+        report["trl"] = run_trl_reference(root, overrides, min(steps, TRL_STEPS))
+        tput = report["trl"]["throughput"]
+        report["throughput_by_mode"]["trl"] = tput
+        report["ratio_laminar_vs"]["trl"] = report["throughput_by_mode"]["laminar"] / tput
+    report["runs"] = {m: [{k: v for k, v in r.items() if k not in ("heldout", "reward_curve")}
+                          for r in rs] for m, rs in on.items()}
+    report["provenance"] = provenance(config={m: bench_config(m, steps, root / m, overrides).model_dump(mode="json")
+                                              for m in schedules})
+    print_tables(report)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1))
+        print(f"wrote {out}")
+        from laminar.report import bench_html_path, write_bench_html
+
+        print(f"wrote {write_bench_html(report, bench_html_path(out))}")
+    return report
+
+
+def run_trl_reference(root: Path, overrides: list[str], steps: int) -> dict[str, Any]:
+    """TRL at its best here: both settings timed on a few steps, the faster one run."""
+    from laminar.bench import trl
+
+    cfg = bench_config("sync", steps, root / "trl", overrides)
+    print("bench modes: timing TRL's two settings ...", flush=True)
+    best, speeds = trl.pick_fastest(cfg, root / "trl")
+    print(f"bench modes: trl {best} ({', '.join(f'{k} {v:.0f} tok/s' for k, v in speeds.items())}); "
+          f"running it for {steps} steps ...", flush=True)
+    result = trl.run_trl(cfg, steps, root / "trl" / best, best, WARMUP_STEPS)
+    return {**result, "probe_tokens_per_s": speeds, "steps": steps,
+            "version": _version("trl"), "transformers": _version("transformers")}
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def print_tables(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160)
+    for title, s in (("env latency on", report),
+                     ("control: env latency off", report.get("control_env_latency_off"))):
+        if not s:
+            continue
+        target = s["heldout_target"]
+        table = Table(title=f"laminar bench modes, {title}: {report['steps']} steps x "
+                            f"{report['repeats']} repeats (medians; min-max)")
+        for col in ("mode", "tok/s", "laminar/mode", "held-out start -> final",
+                    f"time to held-out {_fmt(target)}", "sync time / mode time", "staleness"):
+            table.add_column(col)
+        for m in s["throughput_by_mode"]:
+            rng = s["ratio_laminar_vs_range"].get(m)
+            final = s["heldout_final_by_mode"].get(m)
+            ttt = s["time_to_heldout_target_s_by_mode"].get(m)
+            sync_t = s["time_to_heldout_target_s_by_mode"].get("sync")
+            table.add_row(
+                m, f"{s['throughput_by_mode'][m]:.0f}",
+                "-" if m == "laminar" or m not in s["ratio_laminar_vs"] else
+                f"{s['ratio_laminar_vs'][m]:.2f}x" + (f" ({rng[0]:.2f}-{rng[1]:.2f})" if rng else ""),
+                "-" if final is None else f"{_fmt(s['heldout_start'], '.2f')} -> {final['median']:.2f}",
+                f"{ttt:.0f} s" if ttt is not None else "not reached",
+                f"{sync_t / ttt:.2f}x" if ttt and sync_t else "-",
+                " ".join(f"{k}:{v}" for k, v in s["staleness_hist_by_mode"].get(m, {}).items()))
+        console.print(table)
+    if report.get("trl"):
+        t = report["trl"]
+        console.print(f"TRL {t['version']} ({t['setting']}; probes: "
+                      f"{', '.join(f'{k} {v:.0f}' for k, v in t['probe_tokens_per_s'].items())} tok/s): "
+                      f"{t['throughput']:.0f} tok/s over {t['steps']} steps, held-out greedy exact "
+                      f"match at its end {t['final_heldout']:.2f}; laminar/TRL "
+                      f"{report['ratio_laminar_vs']['trl']:.2f}x")
+    detail = Table(title="where the time goes (means after warm-up, first repeat, env latency on)")
     for col in ("mode", "step s", "train s", "trainer idle", "rollout idle", "gen tok/s",
                 "push stall s", "pull s", "KV util", "repacks"):
         detail.add_column(col)
     for m, b in report["breakdown_by_mode"].items():
         detail.add_row(m, *("-" if b[k] is None else f"{b[k]:.3g}" for k in (*BREAKDOWN, "repacks")))
     console.print(detail)
-    cpu = Table(title="where the CPU goes (CPU seconds over each mode's whole run)")
+    cpu = Table(title="where the CPU goes (CPU seconds over each mode's first run)")
     parts = ("TrainerActor", "RolloutActor", "PromptPool", "ExperienceBuffer", "PartialPool",
              "ManagerActor", "Relay", "driver", "ray daemons")
     for col in ("mode", "wall s", *parts, "CPU s per 1k trained tokens"):
@@ -255,10 +341,3 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
         cpu.add_row(m, f"{c['wall_s']:.0f}", *(f"{c['seconds'].get(p, 0):.1f}" for p in parts),
                     f"{c['per_trained_ktoken']:.3f}")
     console.print(cpu)
-    if out:
-        Path(out).write_text(json.dumps(report, indent=2))
-        print(f"wrote {out}")
-        from laminar.report import bench_html_path, write_bench_html
-
-        print(f"wrote {write_bench_html(report, bench_html_path(out))}")
-    return report

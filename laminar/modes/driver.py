@@ -35,7 +35,8 @@ class Follower:
         run_dir = cfg.resolved_run_dir
         self.logger = MetricsLogger(run_dir, cfg.trainer.total_steps, console=False,
                                     fresh=not cfg.trainer.resume,
-                                    sinks=open_sinks(cfg.metrics, run_dir, cfg.name, cfg.model_dump(mode="json")))
+                                    sinks=open_sinks(cfg.metrics, run_dir, cfg.name, cfg.model_dump(mode="json")),
+                                    t0=rt.started_at)  # time 0: the rollouts' start, in every mode
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         self.view = LiveView(cfg.trainer.total_steps, cfg.metrics.live)
         self.view.__enter__()
@@ -49,6 +50,7 @@ class Follower:
         self.chain: list[str] = self.last_manager["chain"]
         self.evals_asked: dict[str, tuple[str, EvalJob]] = {}  # id -> (rollout, job)
         self.evals_done: set[str] = set()
+        self.next_clock_eval = time.time() + cfg.trainer.eval_every_s  # trainer.eval_every_s
         if cfg.trainer.resume:
             self.log_event("resume", f"resumed from {cfg.trainer.resume} at version {rt.start_version}")
         self.ask_eval(step=rt.start_version, at_least=rt.start_version)
@@ -61,6 +63,14 @@ class Follower:
             job = EvalJob(eval_id, step, at_least, self.rt.task.eval, sampling_params(self.cfg))
             self.evals_asked[eval_id] = (self.rt.request_eval(job), job)
         return eval_id
+
+    def _clock_eval(self) -> None:
+        """trainer.eval_every_s: every so many wall-clock seconds, the newest version (once per
+        version: a version already asked for is not evaluated twice)."""
+        every = self.cfg.trainer.eval_every_s
+        if every and time.time() >= self.next_clock_eval:
+            self.next_clock_eval += every * max(1, int((time.time() - self.next_clock_eval) // every) + 1)
+            self.ask_eval(step=self.version, at_least=self.version)
 
     def _reassign_evals(self, live: list[str]) -> None:
         """An evaluation whose rollout died or left is asked of another one."""
@@ -99,6 +109,7 @@ class Follower:
         self._reassign_evals(manager["workers"])
         self.view.update(self._live_state(snaps, manager))
         if not rows:
+            self._clock_eval()
             return 0
         now = time.monotonic()
         wall, self.last_t = now - self.last_t, now
@@ -142,6 +153,7 @@ class Follower:
             if every and row["version"] % every == 0 and row["version"] < total:
                 self.ask_eval(step=row["version"], at_least=row["version"])
         self.seen += len(rows)
+        self._clock_eval()
         return len(rows)
 
     def _records(self, records: dict[str, dict[str, Any]]) -> None:

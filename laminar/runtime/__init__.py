@@ -21,7 +21,7 @@ The driver API, the same for both:
     take_records(close) -> {rollout: {"evals", "spans", "env_latency_s"}}   since the last call
     idle(seconds)                        let the rollouts run (local: steps them)
     trainer_rows(since), snapshots(), manager_stats(), finish()
-    start_version, cfg
+    start_version, cfg, started_at      (the unix time the rollouts were started: rows count from it)
 """
 
 from __future__ import annotations

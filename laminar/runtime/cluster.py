@@ -103,6 +103,7 @@ class ClusterRuntime:
         self.wait_all({f"rollout worker {w}": h.snapshot.remote() for w, h in self.workers.items()}
                       | {"trainer": self.trainer.metrics_since.remote(0),
                          "rollout manager": self.manager.stats.remote()})
+        self.started_at = time.time()  # the driver's rows count from here
         self.wait_all({f"start of {w}": h.start.remote() for w, h in self.workers.items()})
         self.manager_loop = self.manager.run_loop.remote()
 

@@ -105,6 +105,7 @@ class LocalRuntime:
         self.eval_turn = -1
         print(f"{cfg.mode} mode in one process: {cfg.trainer.total_steps} steps x "
               f"{cfg.trainer.prompts_per_step} prompts x {cfg.rollout.group_size} samples")
+        self.started_at = time.time()  # the driver's rows count from here
         return self
 
     def _loop(self, rollout_id: str, model: Any) -> RolloutLoop:

@@ -50,6 +50,12 @@ def exact_match(response: str, answer: str) -> bool:
     return response.strip() == answer.strip()
 
 
+def exact_match_reward(prompt: str, response: str, answer: str) -> float:
+    """1.0 for exactly the answer, else 0.0: rewards only what the held-out exact match scores
+    (`task.reward: laminar.tasks.rewards:exact_match_reward`; `laminar bench modes` uses it)."""
+    return float(exact_match(response, answer))
+
+
 def resolve_reward(path: str | None) -> RewardFn:
     """`package.module:function` -> the function, checked against the contract."""
     if path is None:
