@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="modes only: runs of every mode (default 3; 1 with --quick)")
     p.add_argument("--no-control", dest="control", action="store_false", default=None,
                    help="modes only: skip the control runs with the env latency off")
+    p.add_argument("--predicted", default=None, metavar="JSON",
+                   help="modes only: the simulator's prediction for this machine (`laminar "
+                        "simulate --calibration LOCAL.json --out JSON`), compared with the measured ratios")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="modes only: change the shared workload (repeatable), e.g. "
                         "--set rollout.num_workers=4")
@@ -85,11 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench":
             module = importlib.import_module(BENCHMARKS[args.name])
             extra = {"modes": args.modes, "steps": args.steps, "overrides": args.overrides,
-                     "repeats": args.repeats, "control": args.control}
+                     "repeats": args.repeats, "control": args.control, "predicted": args.predicted}
             if args.name == "modes":
                 module.main(quick=args.quick, out=args.out, **extra)
             elif any(v is not None and v != [] for v in extra.values()):
-                raise ConfigError("--modes, --steps, --repeats, --no-control and --set apply to "
+                raise ConfigError("--modes, --steps, --repeats, --no-control, --predicted and --set apply to "
                                   f"`laminar bench modes` only, not to `{args.name}`")
             else:
                 module.main(quick=args.quick, out=args.out)

@@ -41,6 +41,8 @@ def test_bench_modes_options_fail_early_with_a_clear_message(capsys):
     assert "unknown verl" in capsys.readouterr().err
     assert main(["bench", "modes", "--modes", "sync,partial"]) == 2
     assert "laminar included" in capsys.readouterr().err
+    assert main(["bench", "modes", "--predicted", "/nonexistent/prediction.json"]) == 2
+    assert "--predicted /nonexistent/prediction.json" in capsys.readouterr().err
     assert main(["bench", "engine", "--set", "rollout.num_workers=4"]) == 2
     assert "apply to `laminar bench modes` only" in capsys.readouterr().err
 
@@ -54,3 +56,13 @@ def test_partial_rollout_trains_with_decoupled_ppo_unless_told_otherwise(tmp_pat
                     "stream": "rollout", "partial": "decoupled"}
     same = bench_config("partial", 1, tmp_path, ["trainer.old_logprobs=rollout"])
     assert same.trainer.old_logprobs == "rollout"  # --set wins: the schedules alone
+
+
+def test_the_simulators_prediction_is_compared_as_laminar_over_mode_ratios():
+    from laminar.bench.modes import compare_prediction
+
+    out = compare_prediction({"laminar": 300.0, "sync": 100.0, "partial": 250.0},
+                             {"sync": 2.4, "partial": 1.2, "trl": 5.0}, "pred.json")
+    assert out["predicted_ratio_laminar_vs"] == {"sync": 3.0, "partial": 1.2}
+    assert out["measured_ratio_laminar_vs"] == {"sync": 2.4, "partial": 1.2}
+    assert abs(out["error"]["sync"] - (-0.2)) < 1e-9 and abs(out["error"]["partial"]) < 1e-9

@@ -37,9 +37,10 @@ from laminar.metrics import read_metrics, read_rows
 
 # The workload, the same for every schedule. Lengths follow the reverse task's default long
 # tail (p99/p50 ~ 10); each trajectory also waits on an emulated tool call (log-normal latency).
-# The reward is exact match, what the held-out score measures; the warm start (300 SFT steps,
+# The reward is exact match, what the held-out score measures. The warm start (450 SFT steps,
 # not capped by time, so every machine starts from the same model) reverses strings of up to 3
-# characters and gets longer ones right only sometimes when sampling: room for RL to learn.
+# characters, gets 4-10 right a quarter to a third of the time greedily but three times in four
+# within 8 samples, and longer ones hardly ever: room for RL to learn (docs/performance.md).
 WORKLOAD = [
     "model.preset=tiny", "rollout.num_workers=2", "cluster.virtual_nodes=2",
     "rollout.group_size=8", "rollout.batch_groups=4", "rollout.max_new_tokens=80",
@@ -47,14 +48,14 @@ WORKLOAD = [
     "rollout.env_latency.enabled=true", "rollout.env_latency.median_s=0.15",
     "rollout.env_latency.sigma=1.0", "rollout.env_latency.max_s=3.0",
     "task.reward=laminar.tasks.rewards:exact_match_reward", "task.eval_prompts=256",
-    "sft.steps=300", "sft.max_seconds=3600",
-    "trainer.prompts_per_step=32", "trainer.mini_batches=2", "trainer.lr=3e-4",
+    "sft.steps=450", "sft.max_seconds=3600",
+    "trainer.prompts_per_step=32", "trainer.mini_batches=4", "trainer.lr=1e-4",
     "trainer.threads=1", "rollout.threads=1",
-    "trainer.eval_every=0", "trainer.eval_every_s=4", "trainer.checkpoint_every=0",
+    "trainer.eval_every=0", "trainer.eval_every_s=5", "trainer.checkpoint_every=0",
     "metrics.tensorboard=false", "metrics.live=off",
 ]
 CONTROL = ["rollout.env_latency.enabled=false"]  # the control: no tool latency
-STEPS, QUICK_STEPS = 100, 12
+STEPS, QUICK_STEPS = 80, 12
 # The policy objective of each schedule (trainer.old_logprobs), as in the paper's Table 3:
 # GRPO against the engine's log-probs, except partial rollout, whose trajectories mix weight
 # versions: AReaL trains them with decoupled PPO, which recomputes proximal log-probs (one
@@ -210,7 +211,8 @@ def _fmt(x: float | None, spec: str = ".3f", none: str = "-") -> str:
 
 def main(quick: bool = False, out: str | None = None, modes: str | None = None,
          steps: int | None = None, overrides: list[str] | None = None,
-         repeats: int | None = None, control: bool | None = None) -> dict[str, Any]:
+         repeats: int | None = None, control: bool | None = None,
+         predicted: str | None = None) -> dict[str, Any]:
     import os
 
     import ray
@@ -220,6 +222,7 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
 
     chosen = parse_modes(modes)
     overrides = list(overrides or [])
+    prediction = read_prediction(predicted) if predicted else None  # before anything runs
     bench_config("laminar", 1, Path("/tmp"), overrides)  # a bad --set fails before anything runs
     steps = steps or (QUICK_STEPS if quick else STEPS)
     repeats = repeats or (1 if quick else 3)
@@ -251,6 +254,9 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
         tput = report["trl"]["throughput"]
         report["throughput_by_mode"]["trl"] = tput
         report["ratio_laminar_vs"]["trl"] = report["throughput_by_mode"]["laminar"] / tput
+    if prediction:
+        report["simulator_prediction"] = compare_prediction(prediction, report["ratio_laminar_vs"],
+                                                            predicted)
     report["runs"] = {m: [{k: v for k, v in r.items() if k not in ("heldout", "reward_curve")}
                           for r in rs] for m, rs in on.items()}
     report["provenance"] = provenance(config={m: bench_config(m, steps, root / m, overrides).model_dump(mode="json")
@@ -264,6 +270,28 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
 
         print(f"wrote {write_bench_html(report, bench_html_path(out))}")
     return report
+
+
+def read_prediction(path: str) -> dict[str, float]:
+    """`throughput_by_mode` of `laminar simulate --calibration LOCAL.json --out F`: the
+    simulator's prediction for this machine, made before the benchmark runs."""
+    from laminar.config import ConfigError
+
+    try:
+        data = json.loads(Path(path).read_text())
+        return {m: float(v) for m, v in data["throughput_by_mode"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"--predicted {path}: not a `laminar simulate --calibration ... --out` "
+                          f"JSON with throughput_by_mode ({type(e).__name__}: {e})") from None
+
+
+def compare_prediction(predicted: dict[str, float], measured: dict[str, float],
+                       source: str) -> dict[str, Any]:
+    """laminar/mode ratios: the simulator's (from this machine's calibration) vs measured."""
+    ratios = {m: predicted["laminar"] / v for m, v in predicted.items() if m != "laminar" and v}
+    return {"source": source, "predicted_ratio_laminar_vs": ratios,
+            "measured_ratio_laminar_vs": {m: measured[m] for m in ratios if m in measured},
+            "error": {m: measured[m] / r - 1.0 for m, r in ratios.items() if m in measured}}
 
 
 def run_trl_reference(root: Path, overrides: list[str], steps: int) -> dict[str, Any]:
@@ -314,10 +342,16 @@ def print_tables(report: dict[str, Any]) -> None:
                 "-" if m == "laminar" or m not in s["ratio_laminar_vs"] else
                 f"{s['ratio_laminar_vs'][m]:.2f}x" + (f" ({rng[0]:.2f}-{rng[1]:.2f})" if rng else ""),
                 "-" if final is None else f"{_fmt(s['heldout_start'], '.2f')} -> {final['median']:.2f}",
+                "-" if m not in s["time_to_heldout_target_s_by_mode"] else
                 f"{ttt:.0f} s" if ttt is not None else "not reached",
                 f"{sync_t / ttt:.2f}x" if ttt and sync_t else "-",
                 " ".join(f"{k}:{v}" for k, v in s["staleness_hist_by_mode"].get(m, {}).items()))
         console.print(table)
+    pred = report.get("simulator_prediction")
+    if pred:
+        console.print("simulator's prediction for this machine (laminar/mode): " + ", ".join(
+            f"{m} {r:.2f}x predicted, {pred['measured_ratio_laminar_vs'][m]:.2f}x measured"
+            for m, r in pred["predicted_ratio_laminar_vs"].items() if m in pred["measured_ratio_laminar_vs"]))
     if report.get("trl"):
         t = report["trl"]
         console.print(f"TRL {t['version']} ({t['setting']}; probes: "

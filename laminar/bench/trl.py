@@ -3,13 +3,15 @@ on this machine would: the reference outside laminar.
 
 Same warm-started model, tokenizer, prompts, reward, group size, batch, learning rate and
 optimizer steps per batch as the schedules; its reward function sleeps for the batch's slowest
-emulated tool call (a synchronous batch waits for its slowest member). Two settings are timed
-on a few steps and the faster one runs the benchmark (`pick_fastest`):
+emulated tool call (a synchronous batch waits for its slowest member). Three settings are
+timed on a few steps and the fastest runs the benchmark (`pick_fastest`):
 
 - `defaults`: TRL's own defaults for what we do not set (gradient checkpointing on, plain
   `generate`);
-- `tuned`: gradient checkpointing off and transformers' continuous-batching generation
-  (`use_transformers_continuous_batching`), TRL's fastest generation path without vLLM.
+- `no_checkpointing`: gradient checkpointing off (a model this small has no activation memory
+  to save, only the recomputation to pay);
+- `no_checkpointing_cb`: that, plus transformers' continuous-batching generation
+  (`use_transformers_continuous_batching`), TRL's fastest generation path without vLLM on GPUs.
 
 Either way `beta=0` (no reference model is loaded when the KL coefficient is 0). TRL computes
 the old log-probs with one more forward pass, since it makes two optimizer steps per generated
@@ -31,7 +33,8 @@ import numpy as np
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "defaults": {},  # TRL's gradient_checkpointing default (True) and plain generate
-    "tuned": {"gradient_checkpointing": False, "use_transformers_continuous_batching": True},
+    "no_checkpointing": {"gradient_checkpointing": False},
+    "no_checkpointing_cb": {"gradient_checkpointing": False, "use_transformers_continuous_batching": True},
 }
 INSTALL_HINT = "TRL is not installed: `pip install 'laminar[bench]'` (or `make bench`) adds it"
 
@@ -57,7 +60,7 @@ def trl_args(cfg: Any, steps: int, out_dir: Path, setting: str) -> dict[str, Any
         **SETTINGS[setting])
 
 
-def run_trl(cfg: Any, steps: int, out_dir: Path, setting: str = "tuned",
+def run_trl(cfg: Any, steps: int, out_dir: Path, setting: str = "no_checkpointing",
             warmup_steps: int = 3) -> dict[str, Any]:
     """Train `steps` global batches with TRL; tokens/s after `warmup_steps`, the reward curve,
     and the held-out greedy exact match of the final model (the same prompts and scorer as the

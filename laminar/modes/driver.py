@@ -51,6 +51,7 @@ class Follower:
         self.evals_asked: dict[str, tuple[str, EvalJob]] = {}  # id -> (rollout, job)
         self.evals_done: set[str] = set()
         self.next_clock_eval = time.time() + cfg.trainer.eval_every_s  # trainer.eval_every_s
+        self.newest_evaluated = -1  # the newest version an evaluation has reported on
         if cfg.trainer.resume:
             self.log_event("resume", f"resumed from {cfg.trainer.resume} at version {rt.start_version}")
         self.ask_eval(step=rt.start_version, at_least=rt.start_version)
@@ -70,7 +71,8 @@ class Follower:
         every = self.cfg.trainer.eval_every_s
         if every and time.time() >= self.next_clock_eval:
             self.next_clock_eval += every * max(1, int((time.time() - self.next_clock_eval) // every) + 1)
-            self.ask_eval(step=self.version, at_least=self.version)
+            if self.version > self.newest_evaluated:  # an evaluation may have run on a newer one
+                self.ask_eval(step=self.version, at_least=self.version)
 
     def _reassign_evals(self, live: list[str]) -> None:
         """An evaluation whose rollout died or left is asked of another one."""
@@ -160,6 +162,7 @@ class Follower:
         for w, rec in records.items():
             for result in rec["evals"]:
                 self.evals_done.add(result["eval_id"])
+                self.newest_evaluated = max(self.newest_evaluated, result["version"])
                 self.view.row(self.logger.write("eval", {**result, "rollout": w}))
             for span in rec["spans"]:
                 self.logger.write("span", {"who": w, "what": span.what, "version": span.version,
