@@ -267,6 +267,27 @@ def bench_sections(results: dict[str, Any]) -> list[Section]:
     out = [Section("Throughput per schedule", "Trained tokens per second after warm-up; the "
                    "label on each bar is laminar's throughput over that schedule's.",
                    png=plots.encode_png(fig))]
+    heldout = results.get("heldout_by_mode") or {}
+    if heldout:
+        fig, ax = plt.subplots(figsize=(plots.WIDTH_IN * 0.75, 3.8), layout="constrained")
+        for i, (mode, curve) in enumerate(heldout.items()):
+            if curve:
+                t, _, score = zip(*curve)
+                colour = "#d62728" if mode == "laminar" else plots.PALETTE[(i + 1) % len(plots.PALETTE)]
+                ax.plot(t, score, lw=2.2 if mode == "laminar" else 1.2, label=mode, color=colour,
+                        marker="o", ms=2.5)
+        if results.get("heldout_target") is not None:
+            ax.axhline(results["heldout_target"], color="#555555", ls=":", lw=1,
+                       label=f"target {results['heldout_target']:.3f}")
+        ax.set_xlabel("wall-clock time since the rollouts started (s)")
+        ax.set_ylabel("held-out greedy exact match")
+        ax.set_title("held-out score vs wall-clock time per schedule", fontsize=11)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, frameon=False, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        out.append(Section("Held-out score vs time", "The same held-out prompts, scored greedily "
+                           "on the same wall-clock schedule; each point at the time its version "
+                           "was published (the run with the median time to the target).",
+                           png=plots.encode_png(fig)))
     curves = results.get("reward_curve_by_mode") or {}
     if curves:
         fig, ax = plt.subplots(figsize=(plots.WIDTH_IN * 0.75, 3.8), layout="constrained")
@@ -278,7 +299,7 @@ def bench_sections(results: dict[str, Any]) -> list[Section]:
         if results.get("target_reward") is not None:
             ax.axhline(results["target_reward"], color="#555555", ls=":", lw=1,
                        label=f"target {results['target_reward']:.3f}")
-        ax.set_xlabel("wall-clock time since the first update (s)")
+        ax.set_xlabel("wall-clock time (s)")
         ax.set_ylabel("training reward (10-step moving mean)")
         ax.set_title("reward vs wall-clock time per schedule", fontsize=11)
         ax.grid(alpha=0.3)
@@ -302,11 +323,13 @@ def write_bench_html(results: dict[str, Any], path: str | Path) -> Path:
         raise ConfigError(f"'{path}': the results have no throughput_by_mode; pass the .json "
                           "that `laminar bench modes --out FILE` wrote")
     tput, ratios = results["throughput_by_mode"], results.get("ratio_laminar_vs") or {}
-    ttt = results.get("time_to_target_s_by_mode") or {}
+    heldout = "time_to_heldout_target_s_by_mode" in results  # else an older, reward-only result
+    ttt = results.get("time_to_heldout_target_s_by_mode" if heldout else "time_to_target_s_by_mode") or {}
     rows = [("tokens/s", [f"{tput[m]:.0f}" for m in tput]),
             ("laminar / mode", [f"{ratios[m]:.2f}×" if m in ratios else "–" for m in tput]),
-            ("time to target", [f"{ttt[m]:.1f} s" if ttt.get(m) is not None else "not reached"
-                                for m in tput])]
+            ("time to held-out target" if heldout else "time to target",
+             [f"{ttt[m]:.1f} s" if ttt.get(m) is not None else "–" if m not in ttt else "not reached"
+              for m in tput])]
     workload = " ".join(results.get("workload") or [])
     intro = (_table_html(list(tput), rows)
              + (f"<p class='muted'>workload: {html.escape(workload)}</p>" if workload else ""))

@@ -173,6 +173,12 @@ def test_bench_modes_results_page(tmp_path, drawn):
     assert len(found["Throughput per schedule"]["png"]) == 1
     bars = drawn[0]["axes"][0]
     assert bars["data"] == 3 and bars["ylabel"] == "training throughput (tokens/s)"
+    results |= {"heldout_by_mode": {"laminar": [[0, 0, 0.4], [5, 8, 0.5]], "sync": [[0, 0, 0.4], [9, 8, 0.5]]},
+                "heldout_target": 0.49, "time_to_heldout_target_s_by_mode": {"laminar": 5.0, "sync": 9.0}}
+    path.write_text(json.dumps(results))  # a result with held-out curves: they lead
+    report(str(path))
+    page_text = (tmp_path / "results.html").read_text()
+    assert "Held-out score vs time" in sections(page_text) and "time to held-out target" in page_text
     path.write_text(json.dumps({"workload": []}))
     with pytest.raises(ConfigError, match="throughput_by_mode"):
         report(str(path))
