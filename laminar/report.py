@@ -269,44 +269,40 @@ def bench_sections(results: dict[str, Any]) -> list[Section]:
                    png=plots.encode_png(fig))]
     heldout = results.get("heldout_by_mode") or {}
     if heldout:
-        fig, ax = plt.subplots(figsize=(plots.WIDTH_IN * 0.75, 3.8), layout="constrained")
-        for i, (mode, curve) in enumerate(heldout.items()):
-            if curve:
-                t, _, score = zip(*curve)
-                colour = "#d62728" if mode == "laminar" else plots.PALETTE[(i + 1) % len(plots.PALETTE)]
-                ax.plot(t, score, lw=2.2 if mode == "laminar" else 1.2, label=mode, color=colour,
-                        marker="o", ms=2.5)
-        if results.get("heldout_target") is not None:
-            ax.axhline(results["heldout_target"], color="#555555", ls=":", lw=1,
-                       label=f"target {results['heldout_target']:.3f}")
-        ax.set_xlabel("wall-clock time since the rollouts started (s)")
-        ax.set_ylabel("held-out greedy exact match")
-        ax.set_title("held-out score vs wall-clock time per schedule", fontsize=11)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, frameon=False, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        curves = {m: [(t, score) for t, _, score in c] for m, c in heldout.items()}
+        fig = _curves_figure(plt, curves, results.get("heldout_target"), "held-out greedy exact match",
+                             "held-out score vs wall-clock time per schedule", marker="o")
         out.append(Section("Held-out score vs time", "The same held-out prompts, scored greedily "
                            "on the same wall-clock schedule; each point at the time its version "
                            "was published (the run with the median time to the target).",
                            png=plots.encode_png(fig)))
     curves = results.get("reward_curve_by_mode") or {}
     if curves:
-        fig, ax = plt.subplots(figsize=(plots.WIDTH_IN * 0.75, 3.8), layout="constrained")
-        for i, (mode, curve) in enumerate(curves.items()):
-            if curve:
-                t, r = zip(*curve)
-                colour = "#d62728" if mode == "laminar" else plots.PALETTE[(i + 1) % len(plots.PALETTE)]
-                ax.plot(t, r, lw=2.2 if mode == "laminar" else 1.2, label=mode, color=colour)
-        if results.get("target_reward") is not None:
-            ax.axhline(results["target_reward"], color="#555555", ls=":", lw=1,
-                       label=f"target {results['target_reward']:.3f}")
-        ax.set_xlabel("wall-clock time (s)")
-        ax.set_ylabel("training reward (10-step moving mean)")
-        ax.set_title("reward vs wall-clock time per schedule", fontsize=11)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, frameon=False, loc="center left", bbox_to_anchor=(1.01, 0.5))
-        out.append(Section("Reward vs time", "Who reaches the target reward first.",
+        fig = _curves_figure(plt, curves, results.get("target_reward"),
+                             "training reward (10-step moving mean)", "reward vs wall-clock time per schedule")
+        out.append(Section("Reward vs time", "Training reward per schedule against the wall clock.",
                            png=plots.encode_png(fig)))
     return out
+
+
+def _curves_figure(plt: Any, curves: dict[str, Any], target: float | None, ylabel: str, title: str,
+                   marker: str | None = None) -> Any:
+    """One line per schedule over wall-clock seconds, laminar in red, the target dotted."""
+    fig, ax = plt.subplots(figsize=(plots.WIDTH_IN * 0.75, 3.8), layout="constrained")
+    for i, (mode, curve) in enumerate(curves.items()):
+        if curve:
+            t, y = zip(*curve)
+            colour = "#d62728" if mode == "laminar" else plots.PALETTE[(i + 1) % len(plots.PALETTE)]
+            ax.plot(t, y, lw=2.2 if mode == "laminar" else 1.2, label=mode, color=colour,
+                    marker=marker, ms=2.5)
+    if target is not None:
+        ax.axhline(target, color="#555555", ls=":", lw=1, label=f"target {target:.3f}")
+    ax.set_xlabel("wall-clock time since the rollouts started (s)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=11)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, frameon=False, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return fig
 
 
 def bench_html_path(json_path: str | Path) -> Path:

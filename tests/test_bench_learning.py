@@ -73,3 +73,10 @@ def test_summary_of_repeats_gives_the_target_and_who_reached_it_when():
     assert s["ratio_laminar_vs"]["sync"] == pytest.approx(3.0)
     assert s["ratio_laminar_vs_range"]["sync"] == pytest.approx([3.0, 3.0])
     assert s["heldout_by_mode"]["laminar"] == lam[1]["heldout"]  # the median run's curve
+
+
+def test_sync_sets_the_target_in_its_steps_and_the_others_get_room_to_reach_it():
+    from laminar.bench.modes import RACE, mode_steps
+
+    assert mode_steps("sync", 80) == 80
+    assert mode_steps("laminar", 80) == mode_steps("partial", 80) == round(80 * RACE) > 80

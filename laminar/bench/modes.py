@@ -56,6 +56,13 @@ WORKLOAD = [
 ]
 CONTROL = ["rollout.env_latency.enabled=false"]  # the control: no tool latency
 STEPS, QUICK_STEPS = 80, 12
+# Sync trains `steps` and so sets the held-out target; every other schedule may train this many
+# times as many, so that a schedule whose stale samples teach a little less per step still has
+# room to reach the target (time to it is what is compared; tokens/s is per step either way).
+RACE = 1.25
+# The control (env latency off) runs the pair the question is about (laminar against sync) and
+# the strongest baseline (partial); one_step and stream only in the main runs.
+CONTROL_MODES = ("laminar", "sync", "partial")
 # The policy objective of each schedule (trainer.old_logprobs), as in the paper's Table 3:
 # GRPO against the engine's log-probs, except partial rollout, whose trajectories mix weight
 # versions: AReaL trains them with decoupled PPO, which recomputes proximal log-probs (one
@@ -102,11 +109,17 @@ def reward_curve(rows: list[dict[str, Any]], window: int = 10) -> list[tuple[flo
             for i, r in enumerate(rows)]
 
 
+def mode_steps(mode: str, steps: int) -> int:
+    """Trainer steps of `mode` in a benchmark of `steps` (RACE)."""
+    return steps if mode == "sync" else round(steps * RACE)
+
+
 def run_mode(mode: str, steps: int, root: Path, overrides: list[str] = ()) -> dict[str, Any]:
-    """One training run of `mode`; everything the benchmark reports about it."""
+    """One training run of `mode` (mode_steps of `steps`); everything the benchmark reports."""
     from laminar.bench.cpu import CpuMeter
     from laminar.modes import run_training
 
+    steps = mode_steps(mode, steps)
     cfg = bench_config(mode, steps, root / mode, overrides)
     t0 = time.perf_counter()
     with CpuMeter() as cpu:
@@ -119,7 +132,7 @@ def run_mode(mode: str, steps: int, root: Path, overrides: list[str] = ()) -> di
     return {"throughput": throughput(rows), "heldout": curve, "reward_curve": reward_curve(rows),
             "heldout_start": curve[0][2] if curve and curve[0][1] == 0 else None,
             "heldout_final": curve[-1][2] if curve and curve[-1][1] == steps else None,
-            "train_wall_s": rows[-1]["time"], "staleness": dict(sorted(hist.items())),
+            "steps": steps, "train_wall_s": rows[-1]["time"], "staleness": dict(sorted(hist.items())),
             "wall_s": round(time.perf_counter() - t0, 1), "breakdown": breakdown(rows),
             "old_logprobs": cfg.trainer.old_logprobs,
             "cpu": {"wall_s": round(cpu.wall_s, 1), "seconds": cpu.seconds,
@@ -233,19 +246,24 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
         with_trl = False
     schedules = [m for m in MODES if m in chosen]
     root = Path(tempfile.mkdtemp(prefix="laminar-bench-modes-"))
-    print(f"bench modes: {len(schedules)} schedules x {repeats} repeats x {steps} steps"
-          f"{', then the env-latency-off control' if control else ''}; runs in {root}", flush=True)
+    print(f"bench modes: {len(schedules)} schedules x {repeats} repeats, sync {steps} steps and the "
+          f"others {mode_steps('laminar', steps)}{', then the env-latency-off control' if control else ''}; "
+          f"runs in {root}", flush=True)
 
+    # recorded before anything runs: the commit and tree the results come from
+    prov = provenance(config={m: bench_config(m, mode_steps(m, steps), root / m, overrides).model_dump(mode="json")
+                              for m in schedules})
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         on = run_condition(schedules, steps, repeats, root, overrides, "env-on")
-        off = run_condition(schedules, steps, repeats, root, overrides + CONTROL, "env-off") \
-            if control else None
+        off = run_condition([m for m in schedules if m in CONTROL_MODES], steps, repeats, root,
+                            overrides + CONTROL, "env-off") if control else None
     finally:
         ray.shutdown()
     report: dict[str, Any] = {
         "workload": WORKLOAD + overrides, "control_overrides": CONTROL, "steps": steps,
+        "steps_by_mode": {m: mode_steps(m, steps) for m in schedules},
         "quick": quick, "repeats": repeats, **summarize(on),
         "control_env_latency_off": summarize(off) if off else None,
     }
@@ -259,8 +277,7 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
                                                             predicted)
     report["runs"] = {m: [{k: v for k, v in r.items() if k not in ("heldout", "reward_curve")}
                           for r in rs] for m, rs in on.items()}
-    report["provenance"] = provenance(config={m: bench_config(m, steps, root / m, overrides).model_dump(mode="json")
-                                              for m in schedules})
+    report["provenance"] = prov
     print_tables(report)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -327,8 +344,9 @@ def print_tables(report: dict[str, Any]) -> None:
         if not s:
             continue
         target = s["heldout_target"]
-        table = Table(title=f"laminar bench modes, {title}: {report['steps']} steps x "
-                            f"{report['repeats']} repeats (medians; min-max)")
+        table = Table(title=f"laminar bench modes, {title}: sync {report['steps']} steps, the others "
+                            f"{mode_steps('laminar', report['steps'])}; {report['repeats']} repeats "
+                            "(medians; min-max)")
         for col in ("mode", "tok/s", "laminar/mode", "held-out start -> final",
                     f"time to held-out {_fmt(target)}", "sync time / mode time", "staleness"):
             table.add_column(col)
