@@ -66,3 +66,19 @@ def test_the_simulators_prediction_is_compared_as_laminar_over_mode_ratios():
     assert out["predicted_ratio_laminar_vs"] == {"sync": 3.0, "partial": 1.2}
     assert out["measured_ratio_laminar_vs"] == {"sync": 2.4, "partial": 1.2}
     assert abs(out["error"]["sync"] - (-0.2)) < 1e-9 and abs(out["error"]["partial"]) < 1e-9
+
+
+def test_trl_runs_the_same_batch_and_optimizer_steps_in_each_of_its_settings(tmp_path):
+    from laminar.bench.modes import bench_config
+    from laminar.bench.trl import SETTINGS, trl_args
+
+    cfg = bench_config("sync", 20, tmp_path)
+    for setting in SETTINGS:
+        args = trl_args(cfg, 20, tmp_path, setting)
+        samples = cfg.trainer.prompts_per_step * cfg.rollout.group_size
+        assert args["per_device_train_batch_size"] * args["steps_per_generation"] == samples
+        assert args["max_steps"] == 20 * cfg.trainer.mini_batches and args["beta"] == 0.0
+        assert args["learning_rate"] == cfg.trainer.lr
+    assert "gradient_checkpointing" not in trl_args(cfg, 1, tmp_path, "defaults")  # TRL's own
+    assert trl_args(cfg, 1, tmp_path, "no_checkpointing")["gradient_checkpointing"] is False
+    assert trl_args(cfg, 1, tmp_path, "no_checkpointing_cb")["use_transformers_continuous_batching"]
