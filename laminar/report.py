@@ -244,6 +244,9 @@ def run_report_html(runs: list[Run]) -> str:
     return page(title, intro, sections)
 
 
+LAMINAR_RED = "#d62728"
+
+
 def bench_sections(results: dict[str, Any]) -> list[Section]:
     """`laminar bench modes` results: tokens/s per schedule with laminar highlighted and
     laminar's speed-up over each on its bar (the paper's Fig. 11), then the reward curves."""
@@ -252,7 +255,7 @@ def bench_sections(results: dict[str, Any]) -> list[Section]:
     ratios: dict[str, float] = results.get("ratio_laminar_vs") or {}
     modes = list(tput)
     fig, ax = plt.subplots(figsize=(plots.WIDTH_IN * 0.75, 4.2), layout="constrained")
-    colours = ["#d62728" if m == "laminar" else "#9ecae1" for m in modes]
+    colours = [LAMINAR_RED if m == "laminar" else "#9ecae1" for m in modes]
     bars = ax.bar(modes, [tput[m] for m in modes], color=colours, edgecolor="#333333", lw=0.6)
     labels = [f"{tput[m]:.0f}\n" + ("laminar" if m == "laminar" else
                                     f"laminar {ratios[m]:.2f}×" if m in ratios else "")
@@ -289,10 +292,11 @@ def _curves_figure(plt: Any, curves: dict[str, Any], target: float | None, ylabe
                    marker: str | None = None) -> Any:
     """One line per schedule over wall-clock seconds, laminar in red, the target dotted."""
     fig, ax = plt.subplots(figsize=(plots.WIDTH_IN * 0.75, 3.8), layout="constrained")
+    others = [c for c in plots.PALETTE if c != LAMINAR_RED]  # red is laminar's alone
     for i, (mode, curve) in enumerate(curves.items()):
         if curve:
             t, y = zip(*curve)
-            colour = "#d62728" if mode == "laminar" else plots.PALETTE[(i + 1) % len(plots.PALETTE)]
+            colour = LAMINAR_RED if mode == "laminar" else others[i % len(others)]
             ax.plot(t, y, lw=2.2 if mode == "laminar" else 1.2, label=mode, color=colour,
                     marker=marker, ms=2.5)
     if target is not None:
