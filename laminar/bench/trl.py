@@ -13,10 +13,10 @@ timed on a few steps and the fastest runs the benchmark (`pick_fastest`):
 - `no_checkpointing_cb`: that, plus transformers' continuous-batching generation
   (`use_transformers_continuous_batching`), TRL's fastest generation path without vLLM on GPUs.
 
-Either way `beta=0` (no reference model is loaded when the KL coefficient is 0). TRL computes
-the old log-probs with one more forward pass, since it makes two optimizer steps per generated
-batch (`steps_per_generation=2`) and its generator returns no log-probs; laminar's engine
-records them while sampling.
+Every way `beta=0` (no reference model is loaded when the KL coefficient is 0). TRL computes
+the old log-probs with one more forward pass, since it makes several optimizer steps per
+generated batch (`steps_per_generation` = `trainer.mini_batches`) and its generator returns no
+log-probs; laminar's engine records them while sampling.
 
 `available()` says whether TRL is installed; `laminar bench modes` runs the rest without it.
 """
@@ -128,7 +128,7 @@ def pick_fastest(cfg: Any, out_dir: Path, probe_steps: int = 6) -> tuple[str, di
         try:
             speeds[setting] = run_trl(cfg, probe_steps, out_dir / f"probe-{setting}", setting,
                                       warmup_steps=2)["throughput"]
-        except Exception as e:  # report and go on with the other setting
+        except Exception as e:  # report and go on with the other settings
             print(f"trl: setting {setting!r} failed on this machine: {type(e).__name__}: {e}")
     if not speeds:
         raise RuntimeError("TRL failed with every setting; see the messages above")
