@@ -1,4 +1,4 @@
-"""`laminar train | sft | bench | report | simulate` — the command line.
+"""`laminar train | resume | sft | bench | report | simulate` — the command line.
 
 Heavy imports (torch, transformers, ray) are deferred into the subcommands so that `--help`
 answers at once. User mistakes (`ConfigError`) print one clear message and exit 2, no traceback.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Any
 
 from laminar.config import ConfigError, load_config
 
@@ -32,6 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="run RL training as the config's `mode` says")
     _add_config_args(p)
+    p.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue the killed or stopped job in RUN_DIR (its newest checkpoint and "
+                        "RUN_DIR/pools.db) with this config")
+
+    p = sub.add_parser("resume", help="continue a killed or stopped job from its run directory")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="e.g. runs/reverse (its config.yaml is read)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                   help="dotted overrides, e.g. trainer.total_steps=200")
 
     p = sub.add_parser("sft", help="supervised warm start; caches the result")
     _add_config_args(p)
@@ -69,6 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resume_config(run_dir: str, overrides: list[str]) -> Any:
+    """The config a job ran with (RUN_DIR/config.yaml, written at its start), set to resume."""
+    from pathlib import Path
+
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"cannot resume '{run_dir}': it has no config.yaml (is it a run "
+                          "directory, e.g. runs/reverse?); or use `laminar train CONFIG --resume "
+                          f"{run_dir}`")
+    return load_config(saved, [*overrides, f"run_dir={run_dir}", "resume=true"])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["simulate"]:  # REMAINDER cannot take a leading --option; hand over as is
@@ -80,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from laminar.modes import run_training
 
-            run_training(load_config(args.config, args.overrides))
+            extra = [f"run_dir={args.resume}", "resume=true"] if args.resume else []
+            run_training(load_config(args.config, [*args.overrides, *extra]))
+        elif args.command == "resume":
+            from laminar.modes import run_training
+
+            run_training(resume_config(args.run_dir, args.overrides))
         elif args.command == "sft":
             from laminar.trainer.sft import run_sft
 

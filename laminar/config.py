@@ -276,6 +276,14 @@ class MetricsConfig(Section):
 class Config(Section):
     name: str = Field("reverse", description="Run name; the default run directory is runs/<name>.")
     run_dir: str | None = Field(None, description="Where metrics and checkpoints go.")
+    resume: bool = Field(False, description="Continue the killed or stopped job in `run_dir` "
+                         "(what `laminar resume RUN_DIR` and `laminar train CONFIG --resume "
+                         "RUN_DIR` set): the newest checkpoint's model, optimizer and RNG, and the "
+                         "pools as RUN_DIR/pools.db left them (docs/fault-tolerance.md).")
+    durable_pools: bool = Field(True, description="Keep the prompt pool, partial response pool "
+                                "and experience buffer in RUN_DIR/pools.db (SQLite), so a killed "
+                                "job resumes without losing buffered or in-flight work; false "
+                                "keeps them in memory only.")
     mode: Mode = Field("sync", description=f"Schedule: {', '.join(MODES)} (laminar/modes/<mode>.py).")
     model: ModelConfig = Field(default_factory=ModelConfig, description="What model to train.")
     task: TaskConfig = Field(default_factory=TaskConfig, description="Prompts and reward.")

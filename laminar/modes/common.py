@@ -9,8 +9,15 @@ from laminar.config import Config, ConfigError
 
 
 def start_weights(cfg: Config) -> tuple[str, int]:
-    """(model directory every component loads, its version): a resumed checkpoint, else
+    """(model directory every component loads, its version): the run's newest checkpoint when
+    the job resumes (`resume`), else a checkpoint to start from (`trainer.resume`), else
     `model.path`, else the cached SFT warm start, else a freshly initialised preset."""
+    if cfg.resume:
+        from laminar.trainer.service import newest_checkpoint
+
+        ckpt = newest_checkpoint(cfg.resolved_run_dir)
+        if ckpt is not None:
+            return str(ckpt / "model"), int(json.loads((ckpt / "trainer_state.json").read_text())["version"])
     if cfg.trainer.resume:
         ckpt = Path(cfg.trainer.resume)
         if not (ckpt / "trainer_state.json").is_file() or not (ckpt / "model").is_dir():
@@ -28,3 +35,21 @@ def start_weights(cfg: Config) -> tuple[str, int]:
     path = cfg.resolved_run_dir / "initial_model"
     save_pretrained(*load_policy(cfg.model), path)
     return str(path), 0
+    if cfg.resume and (path / "config.json").is_file():
+        return str(path), 0  # the same initial weights as before the kill
+
+
+def start_step(cfg: Config) -> int:
+    """Updates already in the starting model (trainer.total_steps counts updates): the run's
+    newest checkpoint's when the job resumes, a `trainer.resume` checkpoint's, else 0."""
+    ckpt = None
+    if cfg.resume:
+        from laminar.trainer.service import newest_checkpoint
+
+        ckpt = newest_checkpoint(cfg.resolved_run_dir)
+    if ckpt is None and cfg.trainer.resume:
+        ckpt = Path(cfg.trainer.resume)
+    if ckpt is None:
+        return 0
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    return int(state.get("steps", state["version"]))

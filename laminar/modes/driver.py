@@ -15,6 +15,7 @@ import numpy as np
 import yaml
 
 from laminar.metrics import MetricsLogger, evenly, read_metrics, read_rows, reward_trend
+from laminar.pools.resume import check_lineage
 from laminar.rollout.evals import EvalJob
 from laminar.rollout.requests import sampling_params
 from laminar.runtime import TrainerRestarted
@@ -34,7 +35,7 @@ class Follower:
         cfg = self.cfg
         run_dir = cfg.resolved_run_dir
         self.logger = MetricsLogger(run_dir, cfg.trainer.total_steps, console=False,
-                                    fresh=not cfg.trainer.resume,
+                                    fresh=not (cfg.trainer.resume or cfg.resume),
                                     sinks=open_sinks(cfg.metrics, run_dir, cfg.name, cfg.model_dump(mode="json")),
                                     t0=rt.started_at)  # time 0: the rollouts' start, in every mode
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -42,6 +43,7 @@ class Follower:
         self.view.__enter__()
         self.seen = 0
         self.version = rt.start_version  # of the newest trainer row logged
+        self.step: int | None = None  # its update count (trainer.total_steps counts those)
         self.last_t = time.monotonic()
         self.last_counters: dict[str, Any] = {}
         self.kv_samples: dict[str, list[float]] = {}
@@ -52,7 +54,11 @@ class Follower:
         self.evals_done: set[str] = set()
         self.next_clock_eval = time.time() + cfg.trainer.eval_every_s  # trainer.eval_every_s
         self.newest_evaluated = -1  # the newest version an evaluation has reported on
-        if cfg.trainer.resume:
+        if cfg.resume:
+            summary = getattr(rt, "resumed", None)
+            self.log_event("resume", f"the job resumed in {run_dir}: " + (
+                summary.line() if summary else f"model from version {rt.start_version}"))
+        elif cfg.trainer.resume:
             self.log_event("resume", f"resumed from {cfg.trainer.resume} at version {rt.start_version}")
         self.ask_eval(step=rt.start_version, at_least=rt.start_version)
 
@@ -147,7 +153,7 @@ class Follower:
             step_s = row.get("update_interval_s")
             row["trainer_idle_frac"] = row["trainer_idle_s"] / step_s if step_s else None
             self.view.row(self.logger.log(row["version"], row))
-            self.version = row["version"]
+            self.version, self.step = row["version"], row.get("step", row["version"])
             for what, start, end in spans:
                 self.logger.write("span", {"who": "trainer", "what": what, "version": row["version"],
                                            "start": self.logger.since_start(start),
@@ -260,6 +266,11 @@ def finish(rt: Any, follower: Follower) -> dict[str, Any]:
     follower.close()
     first, last = reward_trend(read_metrics(cfg.resolved_run_dir))
     report |= {"reward_first": first, "reward_last": last}
+    once = check_lineage(cfg.resolved_run_dir, cfg.rollout.group_size,
+                         None if follower.step is None else follower.step * cfg.trainer.prompts_per_step)
+    report["exactly_once"] = once.to_dict()
+    if not once.ok:
+        follower.log_event("exactly_once_failed", once.line())
     evals = read_rows(cfg.resolved_run_dir, "eval")
     heldout = ""
     if evals:
@@ -282,3 +293,4 @@ def finish(rt: Any, follower: Follower) -> dict[str, Any]:
           f"steps); groups trained {report['prompts']['consumed']}, repacks "
           f"{report['manager']['repacks']} ({cfg.resolved_run_dir}{page})", flush=True)
     return report
+    print(once.line(), flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from laminar.config import Config
+from laminar.modes.common import start_step
 from laminar.modes.driver import Follower, finish
 from laminar.modes.sync import GlobalBatch
 
@@ -22,12 +23,13 @@ def policy(cfg: Config) -> GlobalBatch:
 def run(rt: Any) -> dict[str, Any]:
     follower = Follower(rt)
     B, total = rt.cfg.trainer.prompts_per_step, rt.cfg.trainer.total_steps
-    version = rt.start_version
+    step = start_step(rt.cfg)
     rt.wait(rt.generate(B), "generation")                                  # batch 0 with v0
-    while version < total:
-        nxt = rt.generate(B) if version + 1 < total else None              # batch i+1 with v_i
-        version = follower.follow(lambda: rt.train("train_once"))["version"]  # ... while training i
+    while step < total:
+        nxt = rt.generate(B) if step + 1 < total else None                 # batch i+1 with v_i
+        row = follower.follow(lambda: rt.train("train_once"))              # ... while training i
+        step = row["step"]
         if nxt is not None:
             rt.wait(nxt, "generation")
-            rt.sync_weights(version)                                       # global sync: v_{i+1}
+            rt.sync_weights(row["version"])                                # global sync: v_{i+1}
     return finish(rt, follower)

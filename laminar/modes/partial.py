@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from laminar.config import Config
+from laminar.modes.common import start_step
 from laminar.modes.driver import Follower, finish
 from laminar.rollout.policy import Decision, LoopState
 
@@ -39,8 +40,9 @@ def policy(cfg: Config) -> Partial:
 
 def run(rt: Any) -> dict[str, Any]:
     follower = Follower(rt)
-    version = rt.start_version
-    while version < rt.cfg.trainer.total_steps:
-        version = follower.follow(lambda: rt.train("train_next"))["version"]  # train, push v+1
-        rt.sync_weights(version)                                             # everyone swaps
+    step = start_step(rt.cfg)
+    while step < rt.cfg.trainer.total_steps:
+        row = follower.follow(lambda: rt.train("train_next"))               # train, push v+1
+        step = row["step"]
+        rt.sync_weights(row["version"])                                     # everyone swaps
     return finish(rt, follower)

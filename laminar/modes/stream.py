@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from laminar.config import Config
+from laminar.modes.common import start_step
 from laminar.modes.driver import Follower, finish
 from laminar.modes.sync import GlobalBatch
 
@@ -24,14 +25,15 @@ def policy(cfg: Config) -> GlobalBatch:
 def run(rt: Any) -> dict[str, Any]:
     follower = Follower(rt)
     B, total = rt.cfg.trainer.prompts_per_step, rt.cfg.trainer.total_steps
-    version = first = rt.start_version
+    step, version, first = start_step(rt.cfg), rt.start_version, True
     gen = rt.generate(B)                                              # batch i with v_{i-1}
-    while version < total:
+    while step < total:
         training = rt.train("train_streaming")                        # consumes batch i as it lands
         rt.wait(gen, "generation")
-        if version + 1 < total:
-            if version > first:
+        if step + 1 < total:
+            if not first:
                 rt.sync_weights(version)                              # global sync at iteration end
             gen = rt.generate(B)                                      # batch i+1, overlapping training
-        version = follower.follow(lambda: rt.train("train_streaming"), started=training)["version"]
+        row = follower.follow(lambda: rt.train("train_streaming"), started=training)
+        step, version, first = row["step"], row["version"], False
     return finish(rt, follower)

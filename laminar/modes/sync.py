@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from laminar.config import Config
+from laminar.modes.common import start_step
 from laminar.modes.driver import Follower, finish
 from laminar.rollout.policy import Decision, LoopState
 
@@ -37,9 +38,10 @@ def policy(cfg: Config) -> GlobalBatch:
 
 def run(rt: Any) -> dict[str, Any]:
     follower = Follower(rt)
-    version, total = rt.start_version, rt.cfg.trainer.total_steps
-    while version < total:
+    step, total = start_step(rt.cfg), rt.cfg.trainer.total_steps
+    while step < total:
         rt.wait(rt.generate(rt.cfg.trainer.prompts_per_step), "generation")  # all rollouts, v
-        version = follower.follow(lambda: rt.train("train_once"))["version"]  # trainer: v -> v+1
-        rt.sync_weights(version)                                              # everyone loads v+1
+        row = follower.follow(lambda: rt.train("train_once"))               # trainer: v -> v+1
+        step = row["step"]
+        rt.sync_weights(row["version"])                                      # everyone loads v+1
     return finish(rt, follower)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from laminar.pools.store import Store, open_store
 from laminar.types import PromptGroup, PromptItem
 
 
@@ -57,10 +58,17 @@ class PromptPool:
     front of the queue, so nothing leased is ever lost.
 
     Accounting invariant: every group handed out is in exactly one of `leases` (in flight),
-    `returned` (pending re-issue) or `completed`: issued = leased + returned + completed."""
+    `returned` (pending re-issue) or `completed`: issued = leased + returned + completed.
+
+    Durability (laminar/pools/store.py): the sampler's position and every group's state
+    (`leases` table: index, owner, leased | returned | completed) are written through to the
+    store; a lease commits before it is answered, the rest is batched. `restore=True` rebuilds
+    the pool from the store (after `laminar.pools.resume.reconcile`): leases of the dead job
+    keep their owner name, with a deadline already past, so the manager returns them."""
 
     def __init__(self, sampler: PromptSampler, lease_timeout_s: float = 600.0,
-                 max_outstanding: int | None = None) -> None:
+                 max_outstanding: int | None = None, store: Store | str | None = None,
+                 restore: bool = False) -> None:
         self.sampler = sampler
         self.lease_timeout_s = lease_timeout_s
         self.max_outstanding = max_outstanding  # admission control: groups not yet trained
@@ -69,6 +77,47 @@ class PromptPool:
         self.leases: dict[str, tuple[PromptGroup, str, float]] = {}  # group id -> (group, owner, deadline)
         self.returned: list[PromptGroup] = []  # groups of dead owners, issued again first
         self.completed: list[str] = []
+        self.store = open_store(store)
+        self.seq = 0  # order of the rows written (the returned queue's order on restore)
+        if restore:
+            self._restore()
+
+    # ------------------------------------------------------------------------- durability
+
+    def _row(self, group: PromptGroup, owner: str | None, state: str) -> None:
+        self.seq += 1
+        self.store.put("leases", group.group_id, {"index": group.item.index, "owner": owner,
+                                                  "state": state, "seq": self.seq})
+
+    def _save_position(self) -> None:
+        self.store.put("meta", "prompts", {"sampler": self.sampler.state_dict(), "issued": self.issued,
+                                           "consumed": self.consumed, "seq": self.seq})
+
+    def _group(self, group_id: str, index: int) -> PromptGroup:
+        item = self.sampler.items[index]
+        return PromptGroup(group_id, item, self.sampler.encode(item.prompt), self.sampler.num_samples)
+
+    def _restore(self) -> None:
+        meta = self.store.load("meta").get("prompts")
+        if meta is None:
+            return  # nothing was ever leased
+        self.sampler.load_state_dict(meta["sampler"])
+        self.issued, self.consumed, self.seq = meta["issued"], meta["consumed"], meta["seq"]
+        rows = sorted(self.store.load("leases").items(), key=lambda kv: kv[1]["seq"])
+        expired = time.monotonic() - 1.0
+        for gid, row in rows:
+            if row["state"] == "completed":
+                self.completed.append(gid)
+            elif row["state"] == "returned":
+                self.returned.append(self._group(gid, row["index"]))
+            else:
+                self.leases[gid] = (self._group(gid, row["index"]), row["owner"], expired)
+            self.seq = max(self.seq, row["seq"])
+
+    def flush(self) -> None:
+        """Commit what is batched (the runtime calls it at the end of a run)."""
+        self._save_position()
+        self.store.commit()
 
     def outstanding(self) -> int:
         """Groups handed out (or due to be) that the trainer has not consumed yet."""
@@ -87,7 +136,11 @@ class PromptPool:
                 group = self.sampler.next_group()
                 self.issued += 1
             self.leases[group.group_id] = (group, owner, now + self.lease_timeout_s)
+            self._row(group, owner, "leased")
             groups.append(group)
+        if groups:
+            self._save_position()
+            self.store.commit()  # a durable point: what a rollout holds is on disk first
         return groups
 
     def renew(self, owner: str, now: float | None = None) -> None:
@@ -96,12 +149,16 @@ class PromptPool:
         for gid, (group, who, _) in self.leases.items():
             if who == owner:
                 self.leases[gid] = (group, who, now + self.lease_timeout_s)
+        self.store.maybe_commit()  # the heartbeats keep batched writes flowing
 
     def complete(self, group_id: str) -> bool:
         """Every sample of the group reached the experience buffer; False if not leased."""
-        if self.leases.pop(group_id, None) is None:
+        lease = self.leases.pop(group_id, None)
+        if lease is None:
             return False
         self.completed.append(group_id)
+        self._row(lease[0], lease[1], "completed")
+        self.store.maybe_commit()
         return True
 
     def complete_many(self, group_ids: list[str]) -> int:
@@ -113,7 +170,11 @@ class PromptPool:
         on elsewhere: in the partial pool or the buffer). Returns the group ids returned."""
         back = [gid for gid, (_, who, _) in self.leases.items() if who == owner and gid not in keep]
         for gid in back:
-            self.returned.append(self.leases.pop(gid)[0])
+            group = self.leases.pop(gid)[0]
+            self.returned.append(group)
+            self._row(group, None, "returned")
+        if back:
+            self.store.maybe_commit()
         return back
 
     def expired_owners(self, now: float | None = None) -> set[str]:
@@ -124,6 +185,8 @@ class PromptPool:
 
     def mark_consumed(self, n: int) -> None:
         self.consumed += n
+        self._save_position()
+        self.store.maybe_commit()
 
     def accounting(self) -> dict[str, int]:
         return {"issued": self.issued, "leased": len(self.leases), "returned": len(self.returned),

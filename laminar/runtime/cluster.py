@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import time
@@ -81,12 +82,14 @@ class ClusterRuntime:
                                 seed=cfg.task.seed)
         # named, so that a restarted trainer finds them by name
         self.names = {k: f"laminar-{self.job}-{k}" for k in ("prompts", "partials", "buffer", "trainer")}
+        db, self.resumed = self._prepare_pools()
         self.pools = {
             "prompts": ray.remote(PromptPool).options(**LIGHT, name=self.names["prompts"]).remote(
-                sampler, 2 * cfg.cluster.wait_timeout_s, self.policy.max_outstanding),
-            "partials": ray.remote(PartialPool).options(**LIGHT, name=self.names["partials"]).remote(),
+                sampler, 2 * cfg.cluster.wait_timeout_s, self.policy.max_outstanding, db, cfg.resume),
+            "partials": ray.remote(PartialPool).options(**LIGHT, name=self.names["partials"]).remote(
+                db, cfg.resume),
             "buffer": ray.remote(ExperienceBuffer).options(**LIGHT, name=self.names["buffer"]).remote(
-                cfg.rollout.group_size),
+                cfg.rollout.group_size, store=db, restore=cfg.resume),
         }
         self.placement = place(cfg.rollout.num_workers, cfg.cluster.virtual_nodes, self._cluster_nodes())
         options = {r: self._pin(n) for r, n in self.placement.relay_node.items()}
@@ -103,9 +106,62 @@ class ClusterRuntime:
         self.wait_all({f"rollout worker {w}": h.snapshot.remote() for w, h in self.workers.items()}
                       | {"trainer": self.trainer.metrics_since.remote(0),
                          "rollout manager": self.manager.stats.remote()})
+        if cfg.resume:
+            self._hand_out_resumed()
         self.started_at = time.time()  # the driver's rows count from here
         self.wait_all({f"start of {w}": h.start.remote() for w, h in self.workers.items()})
         self.manager_loop = self.manager.run_loop.remote()
+
+    def _prepare_pools(self) -> tuple[str | None, Any]:
+        """RUN_DIR/pools.db (None: pools in memory) and, when the job resumes, what the
+        reconciliation of the killed job's pools did (printed)."""
+        from laminar.pools.resume import prepare_pools
+        from laminar.trainer.service import newest_checkpoint
+
+        ckpt = newest_checkpoint(self.cfg.resolved_run_dir) if self.cfg.resume else None
+        db, summary = prepare_pools(self.cfg, self.start_version if ckpt else None, self.start_version)
+        if summary is not None:
+            print(f"resume: {summary.line()}", flush=True)
+        self._claim_run_dir()
+        return db, summary
+
+    def _claim_run_dir(self) -> None:
+        """RUN_DIR/job.json names the job using the run directory. A job killed with SIGKILL
+        never removed its relays' shared memory: the next job in the directory does."""
+        from laminar.relay.store import cleanup
+
+        path = self.cfg.resolved_run_dir / "job.json"
+        if path.exists():
+            try:
+                old = json.loads(path.read_text())
+                n = cleanup(old["shm_dir"], f"lam-{old['job']}-")
+            except (ValueError, KeyError, OSError):
+                n = 0
+            if n:
+                print(f"removed {n} shared-memory files the killed job {old['job']} left in "
+                      f"{old['shm_dir']}", flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"job": self.job, "shm_dir": self.cfg.relay.shm_dir,
+                                    "pid": os.getpid()}))
+
+    def _hand_out_resumed(self) -> None:
+        """The killed job's in-flight trajectories (owned by `RESUMED` after the
+        reconciliation) go to the rollouts, dealt out evenly, before their loops start: each
+        continues from its streamed tokens (or from its prompt, when reset)."""
+        from laminar.pools.resume import RESUMED
+        from laminar.types import Unfinished
+
+        entries = ray.get(self.pools["partials"].owned_by.remote(RESUMED))
+        ids = sorted(self.workers)
+        for i, wid in enumerate(ids):
+            mine = [Unfinished(e.request, e.group) for e in entries[i::len(ids)]]
+            if not mine:
+                continue
+            if not ray.get(self.workers[wid].adopt.remote(mine)):
+                raise RuntimeError(f"rollout {wid} refused the resumed trajectories (version "
+                                   "mismatch); this is a bug: please report it")
+            ray.get(self.pools["partials"].reassign.remote(
+                [m.request.request_id for m in mine], wid, [m.request for m in mine]))
 
     def _start_rollout(self, wid: str) -> Any:
         from laminar.rollout.actor import RolloutActor
@@ -266,6 +322,7 @@ class ClusterRuntime:
                 ray.get(ref)
             except ray.exceptions.RayActorError:
                 pass  # died or retired: the manager's report says which
+        ray.get([pool.flush.remote() for pool in self.pools.values()])  # batched writes
         return {"prompts": ray.get(self.pools["prompts"].accounting.remote()),
                 "buffer": ray.get(self.pools["buffer"].counts.remote()),
                 "manager": self.manager_stats()}

@@ -27,6 +27,7 @@ from laminar.models.tokenizer import encode_prompt
 from laminar.pools.experience import ExperienceBuffer
 from laminar.pools.partials import PartialPool
 from laminar.pools.prompts import PromptPool, PromptSampler
+from laminar.pools.resume import RESUMED, prepare_pools
 from laminar.rollout.evals import EvalJob, Evaluator
 from laminar.rollout.finish import Finisher
 from laminar.rollout.io import (BoardWeights, LocalBuffer, LocalPartials, LocalPrompts, RolloutIO,
@@ -35,8 +36,8 @@ from laminar.rollout.loop import RolloutLoop
 from laminar.rollout.policy import Policy
 from laminar.rollout.requests import sampling_params
 from laminar.tasks import build_task
-from laminar.trainer.service import TrainerService
-from laminar.types import RolloutSnapshot, Trajectory
+from laminar.trainer.service import TrainerService, newest_checkpoint
+from laminar.types import RolloutSnapshot, Trajectory, Unfinished
 
 
 class LocalTrainerData:
@@ -49,11 +50,11 @@ class LocalTrainerData:
     def consumed(self, num_groups: int) -> None:
         self.prompts.mark_consumed(num_groups)
 
-    def ack(self) -> None:
-        self.buffer.ack()
+    def ack(self, version: int) -> None:
+        self.buffer.ack(version)
 
-    def requeue_unacked(self) -> int:
-        return self.buffer.requeue_unacked()
+    def rewind(self, version: int | None) -> int:
+        return self.buffer.rewind(version)
 
     def counts(self) -> dict[str, int]:
         return self.buffer.counts()
@@ -94,14 +95,26 @@ class LocalRuntime:
         model, self.tokenizer = load_pretrained(self.model_dir, cfg.model.attn_implementation)
         sampler = PromptSampler(self.task.train, partial(encode_prompt, self.tokenizer),
                                 cfg.rollout.group_size, seed=cfg.task.seed)
-        self.prompts = PromptPool(sampler, 2 * cfg.cluster.wait_timeout_s, self.policy.max_outstanding)
-        self.partials = PartialPool()
-        self.buffer = ExperienceBuffer(cfg.rollout.group_size)
+        db, summary = prepare_pools(cfg, self.start_version if newest_checkpoint(cfg.resolved_run_dir)
+                                    and cfg.resume else None, self.start_version)
+        if summary is not None:
+            print(f"resume: {summary.line()}", flush=True)
+        self.prompts = PromptPool(sampler, 2 * cfg.cluster.wait_timeout_s, self.policy.max_outstanding,
+                                  db, cfg.resume)
+        self.partials = PartialPool(db, cfg.resume)
+        self.buffer = ExperienceBuffer(cfg.rollout.group_size, store=db, restore=cfg.resume)
         self.board = WeightBoard()
         self.trainer = TrainerService(cfg, self.model_dir, LocalTrainerData(self.prompts, self.buffer),
                                       BoardPush(self.board))
         self.loops = [self._loop(f"rollout{i}", model if i == 0 else None)
                       for i in range(cfg.rollout.num_workers)]
+        if cfg.resume:  # the killed job's in-flight trajectories, dealt out evenly
+            entries = self.partials.owned_by(RESUMED)
+            for i, loop in enumerate(self.loops):
+                mine = [Unfinished(e.request, e.group) for e in entries[i::len(self.loops)]]
+                if mine and loop.adopt(mine):
+                    self.partials.reassign([m.request.request_id for m in mine], loop.id,
+                                           [m.request for m in mine])
         self.eval_turn = -1
         print(f"{cfg.mode} mode in one process: {cfg.trainer.total_steps} steps x "
               f"{cfg.trainer.prompts_per_step} prompts x {cfg.rollout.group_size} samples")
@@ -194,3 +207,5 @@ class LocalRuntime:
             loop.settle(timeout_s=self.cfg.cluster.wait_timeout_s)
         return {"prompts": self.prompts.accounting(), "buffer": self.buffer.counts(),
                 "manager": self.manager_stats()}
+        for pool in (self.prompts, self.partials, self.buffer):
+            pool.flush()

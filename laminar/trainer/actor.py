@@ -33,11 +33,11 @@ class RayTrainerData:
     def consumed(self, num_groups: int) -> None:
         self.prompts.mark_consumed.remote(num_groups)
 
-    def ack(self) -> None:
-        self.buffer.ack.remote()
+    def ack(self, version: int) -> None:
+        self.buffer.ack.remote(version)
 
-    def requeue_unacked(self) -> int:
-        return ray.get(self.buffer.requeue_unacked.remote(), timeout=self.timeout_s)
+    def rewind(self, version: int | None) -> int:
+        return ray.get(self.buffer.rewind.remote(version), timeout=self.timeout_s)
 
     def counts(self) -> dict[str, int]:
         return ray.get(self.buffer.counts.remote(), timeout=self.timeout_s)

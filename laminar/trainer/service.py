@@ -59,6 +59,14 @@ def drop_torn_last_line(path: Path, block: int = 1 << 16) -> None:
         f.truncate(0)  # not one complete line
 
 
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """The run's newest complete checkpoint (RUN_DIR/checkpoints/step_NNNNNN; a `.tmp` one was
+    cut short by a kill)."""
+    ckpts = sorted(p for p in (run_dir / "checkpoints").glob("step_*")
+                   if not p.name.endswith(".tmp") and (p / "trainer_state.json").is_file())
+    return ckpts[-1] if ckpts else None
+
+
 class TrainerData(Protocol):
     """What the trainer needs of the pools: complete groups, and the prompt pool's position."""
 
@@ -66,9 +74,9 @@ class TrainerData(Protocol):
 
     def consumed(self, num_groups: int) -> None: ...  # the prompt pool's admission count
 
-    def ack(self) -> None: ...  # everything taken so far is checkpointed
+    def ack(self, version: int) -> None: ...  # the checkpoint at `version` holds what was taken before
 
-    def requeue_unacked(self) -> int: ...  # a restart: what was taken since goes back
+    def rewind(self, version: int | None) -> int: ...  # a restart from that checkpoint: the rest goes back
 
     def counts(self) -> dict[str, int]: ...
 
@@ -91,12 +99,15 @@ class TrainerService:
         model, self.tokenizer = load_pretrained(model_dir, cfg.model.attn_implementation)
         self.trainer = Trainer(model, cfg.trainer, self.tokenizer.pad_token_id, cfg.rollout.temperature)
         self.data, self.weights = data, weights
-        if cfg.trainer.resume:
+        self.steps = 0  # updates in this model's lineage: what trainer.total_steps counts
+        if cfg.trainer.resume:  # a new run from another run's checkpoint
             extra = self.trainer.load_checkpoint(cfg.trainer.resume)
-            self.data.load_prompt_state(extra["prompts"])
+            self.steps = extra.get("steps", self.trainer.version)
+            if not (restarted or cfg.resume):  # a live or restored pool knows its own position
+                self.data.load_prompt_state(extra["prompts"])
         self.history: list[dict[str, Any]] = []
-        if restarted:
-            self._recover()
+        if restarted or cfg.resume:
+            self._recover("trainer_restart" if restarted else "resume")
         elif not cfg.trainer.resume:
             set_aside(cfg.resolved_run_dir / "trajectories.jsonl")
         self.last_update: float | None = None
@@ -120,15 +131,18 @@ class TrainerService:
     def _state_file(self) -> Path:
         return self.cfg.resolved_run_dir / "trainer_published.json"
 
-    def _recover(self) -> None:
-        """This actor was restarted after a crash: reload the newest checkpoint of the run, take
-        back from the buffer what was trained since, and go on numbering after the newest
-        version already published (rollouts only pull newer ones)."""
-        ckpts = sorted(p for p in (self.cfg.resolved_run_dir / "checkpoints").glob("step_*")
-                       if not p.name.endswith(".tmp"))
-        if ckpts:
-            self.trainer.load_checkpoint(ckpts[-1])
-        requeued = self.data.requeue_unacked()
+    def _recover(self, event: str) -> None:
+        """This actor was restarted after a crash (`trainer_restart`), or the whole job was
+        (`resume`): reload the newest checkpoint of the run, give back to the buffer what was
+        taken since (`rewind`: after a whole-job resume the pools were reconciled already, so
+        nothing is left to give back), and go on numbering after the newest version already
+        published (rollouts and relays only take newer ones). Marks the audit trail, which the
+        exactly-once check at the end of the run reads."""
+        ckpt = newest_checkpoint(self.cfg.resolved_run_dir)
+        if ckpt is not None:
+            extra = self.trainer.load_checkpoint(ckpt)
+            self.steps = extra.get("steps", self.trainer.version)
+        requeued = self.data.rewind(self.trainer.version if ckpt is not None else None)
         self.data.consumed(-requeued)
         resumed_at = self.trainer.version
         if self._state_file.exists():  # number on after the newest version already published
@@ -137,9 +151,9 @@ class TrainerService:
         audit = self.cfg.resolved_run_dir / "trajectories.jsonl"
         drop_torn_last_line(audit)  # the kill may have landed mid-append
         with audit.open("a") as f:
-            f.write(json.dumps({"event": "trainer_restart", "checkpoint": str(ckpts[-1]) if ckpts else None,
+            f.write(json.dumps({"event": event, "checkpoint": str(ckpt) if ckpt else None,
                                 "resumed_at": resumed_at, "continues_at": self.trainer.version,
-                                "requeued_groups": requeued}) + "\n")
+                                "steps": self.steps, "requeued_groups": requeued}) + "\n")
 
     # ------------------------------------------------------------------------- training
 
@@ -191,9 +205,10 @@ class TrainerService:
         return self._train_and_publish(trajs, already_trained=True)
 
     def run(self, total_steps: int) -> int:
-        """laminar / partial: train until `total_steps` versions exist or `stop()`."""
+        """laminar / partial: train until the model has `total_steps` updates or `stop()`;
+        returns the version."""
         self.stop_event.clear()
-        while self.trainer.version < total_steps and not self.stop_event.is_set():
+        while self.steps < total_steps and not self.stop_event.is_set():
             try:
                 self.train_next()
             except InterruptedError:
@@ -209,21 +224,21 @@ class TrainerService:
             stats = self.trainer.finish_global_batch()
         else:
             stats = self.trainer.train_step(trajs)
+        self.steps += 1
+        self._record(trajs)  # before the checkpoint that holds them (the exactly-once audit)
         every = self.cfg.trainer.checkpoint_every
-        if (every and self.trainer.version % every == 0) or self.trainer.version == self.cfg.trainer.total_steps:
+        if (every and self.steps % every == 0) or self.steps == self.cfg.trainer.total_steps:
             self.checkpoint()
-        if not every or self.trainer.version % every == 0:
-            self.data.ack()  # checkpointed (or no recovery asked for): release the data
+            self.data.ack(self.trainer.version)  # the checkpoint holds them: release the data
         self._span("train", wall)
         wall = time.time()
         stall = self.publish()
         self._span("push", wall)
         now = time.perf_counter()
         summary = summarize(trajs)
-        self._record(trajs)
         interval = now - self.last_update if self.last_update is not None else None
         self.last_update = now
-        row = {**summary, **stats, "version": self.trainer.version, "push_stall_s": stall,
+        row = {**summary, **stats, "version": self.trainer.version, "step": self.steps, "push_stall_s": stall,
                "train_wall_s": now - t0, "update_interval_s": interval,
                "throughput_tokens_per_s": summary["batch_tokens"] / interval if interval else None,
                "trainer_idle_s": self.idle_s, "spans": self.spans, "published_at": time.time()}
@@ -251,7 +266,8 @@ class TrainerService:
 
     def checkpoint(self) -> str:
         path = self.cfg.resolved_run_dir / "checkpoints" / f"step_{self.trainer.version:06d}"
-        self.trainer.save_checkpoint(path, self.tokenizer, {"prompts": self.data.prompt_state()})
+        self.trainer.save_checkpoint(path, self.tokenizer, {"steps": self.steps,
+                                                             "prompts": self.data.prompt_state()})
         return str(path)
 
     def metrics_since(self, index: int) -> list[dict[str, Any]]:

@@ -1,0 +1,251 @@
+"""Whole-job resume: the pools of a killed job made consistent, and the exactly-once check.
+
+    summary = reconcile(store, checkpoint_version=6, rollout_version=6)   # before the pools start
+    report = check_lineage(run_dir, group_size, steps)                   # at the end of every run
+
+A job killed at a random moment (driver and every actor, SIGKILL) leaves `RUN_DIR/pools.db`
+with each pool's last commit. The three pools commit separately, so their records can disagree
+by a few moments; `reconcile` settles them, trusting the experience buffer first (its puts and
+samples are durable points), then the partial pool, then the prompt pool:
+
+- **trained vs requeued**: a group the trainer took at version v went into update v+1; the
+  checkpoint the job resumes from (version c) holds it when v < c. Those stay trained; groups
+  taken at v >= c go back to the front of the buffer (their gradient is not in the model).
+- **buffered groups are reused**, not regenerated: complete and filling groups stay as they are.
+- **in-flight trajectories**: a partial-pool entry whose sample is already in the buffer is
+  dropped; the others continue from their streamed tokens when the weights that made them are
+  the ones the rollouts start with (`rollout_version`: the checkpoint's), else they are
+  regenerated from their prompt (every other version is gone with the killed relays). They are
+  owned by `RESUMED` until the runtime hands them to live rollouts.
+- **leases**: a group complete in the buffer is completed; one with samples in the buffer or
+  the partial pool stays leased (by `RESUMED`, completed by whoever finishes it); one with
+  nothing generated goes back to the queue and is issued again first.
+
+`check_lineage` reads the trainer's audit (`RUN_DIR/trajectories.jsonl`, one line per trained
+trajectory plus a mark at every restart or resume) and verifies the invariant: every group's
+gradient is in the final model exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from laminar.pools.store import Store
+
+RESUMED = "resumed"  # owner of the killed job's unfinished work until a live rollout takes it
+
+
+@dataclass
+class ResumeSummary:
+    checkpoint_version: int | None  # the model resumes from this version (None: its start)
+    trained_groups: int = 0  # in the checkpoint: never trained again
+    requeued_groups: int = 0  # taken after the checkpoint: back in the buffer, trained again
+    ready_groups: int = 0  # complete in the buffer, untrained (reused, requeued included)
+    filling_groups: int = 0  # some samples in the buffer (reused), the rest in flight
+    continued: int = 0  # in-flight trajectories that go on from their streamed tokens
+    regenerated: int = 0  # in-flight trajectories started again (their version is gone)
+    not_started: int = 0  # in-flight trajectories with no tokens on record yet
+    dropped: int = 0  # partial entries already in the buffer
+    returned_groups: int = 0  # leased, nothing generated: issued again
+    position: dict[str, int] = field(default_factory=dict)  # the prompt sampler's
+
+    def line(self) -> str:
+        at = "its start" if self.checkpoint_version is None else f"version {self.checkpoint_version}"
+        return (f"model from {at}; {self.trained_groups} groups already trained, "
+                f"{self.requeued_groups} trained after the checkpoint go back to the buffer; "
+                f"{self.ready_groups} complete and {self.filling_groups} filling groups reused; "
+                f"{self.continued} in-flight trajectories continue from their tokens, "
+                f"{self.regenerated} regenerated, {self.not_started} not started; "
+                f"{self.returned_groups} leased groups issued again; prompts at epoch {self.position.get('epoch', 0)} position "
+                f"{self.position.get('position', 0)}")
+
+
+def reconcile(store: Store, checkpoint_version: int | None, rollout_version: int) -> ResumeSummary:
+    """Make the stored pools of a killed job consistent for a resume from the checkpoint at
+    `checkpoint_version`, with rollouts starting on `rollout_version`. Writes and commits."""
+    summary = ResumeSummary(checkpoint_version)
+    groups = store.load("groups")
+    trajs = store.load("trajectories")
+    for gid, row in groups.items():
+        if row["state"] == "taken":
+            if checkpoint_version is not None and row["step"] < checkpoint_version:
+                row["state"] = "trained"
+                store.delete("trajectories", [t for t, v in trajs.items() if v["group_id"] == gid])
+            else:
+                row["state"] = "ready"
+                summary.requeued_groups += 1
+            row["step"] = None if row["state"] == "ready" else row["step"]
+            store.put("groups", gid, row)
+        summary.trained_groups += row["state"] == "trained"
+        summary.ready_groups += row["state"] == "ready"
+    trajs = {t: v for t, v in trajs.items() if groups.get(v["group_id"], {}).get("state") != "trained"}
+    filling = {v["group_id"] for v in trajs.values()} - set(groups)
+    summary.filling_groups = len(filling)
+
+    live = set(filling)
+    partials = store.load("partials")
+    for tid, row in partials.items():
+        if tid in trajs or row["group"]["group_id"] in groups:
+            store.delete("partials", [tid])
+            summary.dropped += 1
+            continue
+        req = row["request"]
+        versions = set(req["token_versions"])
+        if versions and versions != {rollout_version}:  # made by weights that are gone
+            req.update(output_ids=[], logprobs=[], token_versions=[], version=None)
+            summary.regenerated += 1
+        elif versions:
+            summary.continued += 1
+        else:
+            summary.not_started += 1
+        row["owner"] = RESUMED
+        store.put("partials", tid, row)
+        live.add(row["group"]["group_id"])
+
+    for gid, row in store.load("leases").items():
+        if row["state"] == "completed":
+            continue
+        if gid in groups:
+            row["state"] = "completed"
+        elif row["state"] == "leased" and gid in live:
+            row["owner"] = RESUMED
+        elif row["state"] == "leased":
+            row.update(state="returned", owner=None)
+            summary.returned_groups += 1
+        store.put("leases", gid, row)
+
+    meta = store.load("meta").get("prompts")
+    if meta is not None:
+        meta["consumed"] = summary.trained_groups
+        store.put("meta", "prompts", meta)
+        summary.position = {k: meta["sampler"][k] for k in ("epoch", "position")}
+    store.commit()
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# The invariant
+
+
+@dataclass
+class LineageReport:
+    groups: int  # groups whose gradient is in the final model
+    trajectories: int
+    duplicates: list[str]  # trajectory ids trained more than once in the lineage
+    incomplete: list[str]  # groups with fewer samples than group_size in the lineage
+    restarts: int  # trainer restarts and job resumes
+    expected_groups: int | None  # steps x prompts_per_step, when known
+
+    @property
+    def ok(self) -> bool:
+        return (not self.duplicates and not self.incomplete
+                and (self.expected_groups is None or self.groups == self.expected_groups))
+
+    def line(self) -> str:
+        if self.ok:
+            return (f"exactly-once check: passed; {self.groups} groups ({self.trajectories} "
+                    f"trajectories) are in the final model once each, across "
+                    f"{self.restarts} restart(s)")
+        problems = []
+        if self.duplicates:
+            problems.append(f"{len(self.duplicates)} trajectories trained twice (e.g. {self.duplicates[:3]})")
+        if self.incomplete:
+            problems.append(f"{len(self.incomplete)} groups incomplete (e.g. {self.incomplete[:3]})")
+        if self.expected_groups is not None and self.groups != self.expected_groups:
+            problems.append(f"{self.groups} groups trained, {self.expected_groups} expected")
+        return "exactly-once check: FAILED: " + "; ".join(problems)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def lineage(lines: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The audit lines whose gradient is in the final model: at every restart or resume mark,
+    the lines trained after the checkpoint it resumed from (trained_at >= resumed_at) are
+    cut. Returns (kept lines, number of marks)."""
+    kept: list[dict[str, Any]] = []
+    marks = 0
+    for line in lines:
+        if "event" in line:
+            marks += 1
+            resumed = line.get("resumed_at")
+            kept = [t for t in kept if resumed is not None and t["trained_at"] < resumed]
+        elif "traj_id" in line:
+            kept.append(line)
+    return kept, marks
+
+
+def read_audit(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for raw in path.read_text().splitlines():
+        try:
+            out.append(json.loads(raw))
+        except json.JSONDecodeError:
+            continue  # a line torn by a kill
+    return out
+
+
+def check_lineage(run_dir: str | Path, group_size: int, expected_groups: int | None = None) -> LineageReport:
+    kept, marks = lineage(read_audit(Path(run_dir) / "trajectories.jsonl"))
+    per_traj = Counter(t["traj_id"] for t in kept)
+    per_group = Counter(t["group_id"] for t in {t["traj_id"]: t for t in kept}.values())
+    return LineageReport(
+        groups=len(per_group), trajectories=len(per_traj),
+        duplicates=sorted(t for t, n in per_traj.items() if n > 1),
+        incomplete=sorted(g for g, n in per_group.items() if n != group_size),
+        restarts=marks, expected_groups=expected_groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run directory
+
+
+def prepare_pools(cfg: Any, checkpoint_version: int | None,
+                  rollout_version: int) -> tuple[str | None, ResumeSummary | None]:
+    """Where the pools of this run live (None: in memory) and, when resuming, what the
+    reconciliation did. A fresh run sets an earlier run's pools, checkpoints and published
+    version aside (name.<time>), so nothing of it is resumed or restarted from by mistake."""
+    from laminar.config import ConfigError
+    from laminar.metrics import set_aside
+    from laminar.pools.store import SqliteStore
+
+    run_dir = cfg.resolved_run_dir
+    path = run_dir / "pools.db"
+    if not cfg.resume:
+        for name in ("checkpoints", "trainer_published.json"):
+            set_aside(run_dir / name)
+        if path.exists():
+            stamp = _stamp(path)
+            print(f"note: {run_dir} held an earlier run; its pools and checkpoints are set aside "
+                  f"(pools.{stamp}.db, checkpoints.<time>). To continue a run instead: "
+                  f"laminar resume {run_dir}", flush=True)
+            for suffix in ("", "-wal", "-shm"):
+                old = run_dir / f"pools.db{suffix}"
+                if old.exists():
+                    old.rename(run_dir / f"pools.{stamp}.db{suffix}")
+        return (str(path) if cfg.durable_pools else None), None
+    if not cfg.durable_pools:
+        raise ConfigError("resume=true needs durable_pools=true: the pools of a run kept in memory "
+                          "died with it (its checkpoints can still start a new run: "
+                          "trainer.resume=RUN_DIR/checkpoints/step_NNNNNN)")
+    if not path.exists():
+        raise ConfigError(f"nothing to resume in {run_dir}: it has no pools.db (was the run started "
+                          "with durable_pools=false, or is this the wrong directory?)")
+    store = SqliteStore(path)
+    try:
+        summary = reconcile(store, checkpoint_version, rollout_version)
+    finally:
+        store.close()
+    return str(path), summary
+
+
+def _stamp(path: Path) -> str:
+    import time
+
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))

@@ -1,0 +1,189 @@
+"""Durable pools: RUN_DIR/pools.db written through, read back by a fresh process, reconciled
+after a whole-job kill, and the exactly-once lineage check."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from laminar.config import ConfigError
+from laminar.pools.experience import ExperienceBuffer
+from laminar.pools.partials import PartialPool, TokenUpdate
+from laminar.pools.prompts import PromptPool, PromptSampler
+from laminar.pools.resume import RESUMED, check_lineage, lineage, reconcile
+from laminar.pools.store import MemoryStore, SqliteStore
+from laminar.rollout.requests import group_requests
+from laminar.types import PromptItem, SamplingParams, Trajectory
+
+ITEMS = [PromptItem(i, f"p{i}=", f"a{i}") for i in range(6)]
+
+
+def encode(text):
+    return [1] + [ord(c) % 100 for c in text]
+
+
+def traj(gid, i, version=0):
+    return Trajectory(f"{gid}/{i}", gid, [1, 2], [3, 4], [-0.1, -0.2], version, reward=float(i))
+
+
+def pools(db, restore=False):
+    return (PromptPool(PromptSampler(ITEMS, encode, 2, seed=0), 60, None, str(db), restore),
+            PartialPool(str(db), restore), ExperienceBuffer(2, store=str(db), restore=restore))
+
+
+def test_sqlite_store_commits_survive_and_uncommitted_writes_do_not(tmp_path):
+    db = tmp_path / "pools.db"
+    store = SqliteStore(db, commit_interval_s=3600)
+    store.put("t", "a", {"x": 1})
+    store.commit()
+    store.put("t", "b", {"x": 2})  # batched, never committed
+    store.maybe_commit()  # the interval has not passed
+    other = SqliteStore(db)  # another process's view
+    assert other.load("t") == {"a": {"x": 1}}
+    store.delete("t", ["a"])
+    store.commit()
+    assert other.load("t") == {"b": {"x": 2}}
+    assert other.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_a_killed_writer_loses_only_what_it_had_not_committed(tmp_path):
+    db = tmp_path / "pools.db"
+    code = textwrap.dedent(f"""
+        import os, signal, time
+        from laminar.pools.store import SqliteStore
+        s = SqliteStore({str(db)!r}, commit_interval_s=3600)
+        s.put("t", "durable", 1); s.commit()
+        s.put("t", "pending", 2)
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert SqliteStore(db).load("t") == {"durable": 1}
+
+
+def test_a_damaged_pools_db_is_a_clear_error(tmp_path):
+    db = tmp_path / "pools.db"
+    db.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(ConfigError, match="pools.db is not a readable laminar pools database"):
+        SqliteStore(db)
+
+
+def test_pools_restore_from_the_database_as_they_were(tmp_path):
+    db = tmp_path / "pools.db"
+    prompts, partials, buffer = pools(db)
+    groups = prompts.lease("rollout0", 3, now=0.0)
+    params = SamplingParams(max_new_tokens=8)
+    partials.register_many("rollout0", [(g, group_requests(g, params)) for g in groups])
+    tid = f"{groups[1].group_id}/0"
+    partials.update("rollout0", [TokenUpdate(tid, [5, 6], [-0.5, -0.6], [0, 0])])
+    partials.flush()
+    assert buffer.put_many([traj(groups[0].group_id, 0), traj(groups[0].group_id, 1),
+                            traj(groups[2].group_id, 0)]) == [groups[0].group_id]
+    prompts.complete(groups[0].group_id)
+    prompts.flush()
+    assert buffer.sample(1, trainer_version=4)[0][0].group_id == groups[0].group_id
+
+    p2, q2, b2 = pools(db, restore=True)  # a fresh process reads the same file
+    assert p2.sampler.state_dict() == prompts.sampler.state_dict()
+    assert p2.accounting() == prompts.accounting()
+    assert set(p2.leases) == {groups[1].group_id, groups[2].group_id}
+    assert q2.entries[tid].request.output_ids == [5, 6]
+    assert q2.entries[tid].request.params == partials.entries[tid].request.params  # its seed too
+    assert q2.entries[tid].group == groups[1]
+    assert b2.taken[groups[0].group_id][1] == 4 and list(b2.filling) == [groups[2].group_id]
+    assert b2.put(traj(groups[2].group_id, 0)) is False  # still a duplicate after the restart
+
+
+def test_rewind_gives_back_exactly_what_the_checkpoint_lacks():
+    buffer = ExperienceBuffer(1)
+    for g in ["a", "b", "c", "d"]:
+        buffer.put_many([traj(g, 0)])
+    buffer.sample(1, trainer_version=0)  # a -> update 1
+    buffer.sample(1, trainer_version=1)  # b -> update 2
+    buffer.sample(1, trainer_version=2)  # c -> update 3
+    assert buffer.rewind(2) == 1  # the checkpoint at 2 holds a and b; c goes back
+    assert [g[0].group_id for g in buffer.complete] == ["c", "d"]
+    assert buffer.trained == {"a", "b"}
+    assert buffer.put(traj("a", 0)) is False  # a trained group's late put is a duplicate
+    buffer.sample(2, trainer_version=5)
+    assert buffer.rewind(None) == 2  # no checkpoint: everything taken goes back, in order
+    assert [g[0].group_id for g in buffer.complete] == ["c", "d"]
+
+
+def test_reconcile_after_a_kill(tmp_path):
+    db = tmp_path / "pools.db"
+    prompts, partials, buffer = pools(db)
+    g = prompts.lease("rollout0", 5, now=0.0)
+    params = SamplingParams(max_new_tokens=8)
+    partials.register_many("rollout0", [(x, group_requests(x, params)) for x in g[:4]])
+    # g0: trained in update 1 (before the checkpoint at version 1); g1: taken for update 2
+    for x in g[:2]:
+        buffer.put_many([traj(x.group_id, 0), traj(x.group_id, 1)])
+    buffer.sample(1, trainer_version=0)
+    buffer.sample(1, trainer_version=1)
+    # g2: one sample in the buffer, the other streamed 2 tokens by version 1 (gone after the kill)
+    buffer.put_many([traj(g[2].group_id, 0)])
+    partials.update("rollout0", [TokenUpdate(f"{g[2].group_id}/1", [7, 7], [-1.0, -1.0], [1, 1])])
+    # g3: both in flight with version 0 (the checkpoint's weights: they continue)
+    partials.update("rollout0", [TokenUpdate(f"{g[3].group_id}/0", [9], [-1.0], [0])])
+    partials.flush()
+    prompts.flush()  # g4 leased, nothing generated
+
+    summary = reconcile(SqliteStore(db), checkpoint_version=1, rollout_version=0)
+    assert (summary.trained_groups, summary.requeued_groups, summary.ready_groups) == (1, 1, 1)
+    assert (summary.filling_groups, summary.returned_groups) == (1, 1)
+    # g2/0 in the buffer is dropped, g2/1 regenerated, g3/0 continues (g3/1 had no tokens yet);
+    # g0's and g1's entries are dropped
+    assert (summary.continued, summary.regenerated, summary.not_started, summary.dropped) == (1, 1, 1, 5)
+    p2, q2, b2 = pools(db, restore=True)
+    assert [x[0].group_id for x in b2.complete] == [g[1].group_id]  # requeued, not regenerated
+    assert b2.trained == {g[0].group_id}
+    assert {e.owner for e in q2.entries.values()} == {RESUMED}
+    assert q2.entries[f"{g[2].group_id}/1"].request.output_ids == []
+    assert q2.entries[f"{g[3].group_id}/0"].request.output_ids == [9]
+    assert [x.group_id for x in p2.returned] == [g[4].group_id]
+    assert p2.consumed == 1
+    assert p2.lease("rollout1", 1, now=0.0)[0].group_id == g[4].group_id  # issued again first
+    acct = p2.accounting()
+    assert acct["issued"] == acct["leased"] + acct["returned"] + acct["completed"]
+
+
+def test_lineage_cuts_what_a_restart_lost(tmp_path):
+    lines = [{"traj_id": f"g{i}/0", "group_id": f"g{i}", "trained_at": i} for i in range(4)]
+    lines.append({"event": "trainer_restart", "resumed_at": 2, "continues_at": 4})
+    lines += [{"traj_id": "g2/0", "group_id": "g2", "trained_at": 4},
+              {"traj_id": "g3/0", "group_id": "g3", "trained_at": 5}]
+    kept, marks = lineage(lines)
+    assert [t["traj_id"] for t in kept] == ["g0/0", "g1/0", "g2/0", "g3/0"] and marks == 1
+    (tmp_path / "trajectories.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert check_lineage(tmp_path, 1, expected_groups=4).ok
+    bad = lines + [{"traj_id": "g1/0", "group_id": "g1", "trained_at": 6}]
+    (tmp_path / "trajectories.jsonl").write_text("\n".join(json.dumps(x) for x in bad) + "\n")
+    report = check_lineage(tmp_path, 1)
+    assert report.duplicates == ["g1/0"] and "FAILED" in report.line()
+
+
+def test_memory_store_is_the_same_interface():
+    store = MemoryStore()
+    buffer = ExperienceBuffer(1, store=store)
+    buffer.put_many([traj("a", 0)])
+    assert set(store.load("trajectories")) == {"a/0"} and store.load("groups")["a"]["state"] == "ready"
+    assert ExperienceBuffer(1, store=store, restore=True).num_ready() == 1
+
+
+def test_the_database_reads_with_the_sqlite_shell_schema(tmp_path):
+    db = tmp_path / "pools.db"
+    buffer = ExperienceBuffer(1, store=str(db))
+    buffer.put_many([traj("a", 0)])
+    rows = sqlite3.connect(db).execute("SELECT key, value FROM kv WHERE tbl = 'groups'").fetchall()
+    assert rows[0][0] == "a" and json.loads(rows[0][1])["state"] == "ready"
