@@ -206,14 +206,14 @@ class TrainerService:
 
     def run(self, total_steps: int) -> int:
         """laminar / partial: train until the model has `total_steps` updates or `stop()`;
-        returns the version."""
+        returns its updates (= its version unless a restart skipped version numbers)."""
         self.stop_event.clear()
         while self.steps < total_steps and not self.stop_event.is_set():
             try:
                 self.train_next()
             except InterruptedError:
                 break
-        return self.trainer.version
+        return self.steps
 
     def stop(self) -> None:
         self.stop_event.set()
