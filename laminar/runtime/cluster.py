@@ -38,6 +38,16 @@ LIGHT = {"num_cpus": 0}
 THREADED = {"num_cpus": 0, "max_concurrency": 8}
 
 
+def _alive(pid: int | None) -> bool:
+    """A laminar driver with this process id is running (not a recycled id)."""
+    import psutil
+
+    try:
+        return pid is not None and "laminar" in " ".join(psutil.Process(pid).cmdline())
+    except (psutil.Error, OSError):
+        return False
+
+
 class ClusterRuntime:
     def __init__(self, cfg: Config, model_dir: str, start_version: int, policy: Policy) -> None:
         self.cfg, self.model_dir, self.start_version, self.policy = cfg, model_dir, start_version, policy
@@ -128,15 +138,26 @@ class ClusterRuntime:
     def _claim_run_dir(self) -> None:
         """RUN_DIR/job.json names the job using the run directory. A job killed with SIGKILL
         never removed its relays' shared memory: the next job in the directory does."""
-        from laminar.relay.store import cleanup
+        from pathlib import Path
+
+        from laminar.relay.relay import segment_prefix
 
         path = self.cfg.resolved_run_dir / "job.json"
         if path.exists():
+            n = 0
             try:
                 old = json.loads(path.read_text())
-                n = cleanup(old["shm_dir"], f"lam-{old['job']}-")
+                if old.get("pid") != os.getpid() and _alive(old.get("pid")):
+                    from laminar.config import ConfigError
+
+                    raise ConfigError(f"{self.cfg.resolved_run_dir} is in use by a running job "
+                                      f"(driver pid {old['pid']}); stop it first, or set run_dir "
+                                      "(or name) to another directory")
+                for seg in Path(old["shm_dir"]).glob(segment_prefix(old["job"], "*") + ".*"):
+                    seg.unlink(missing_ok=True)
+                    n += 1
             except (ValueError, KeyError, OSError):
-                n = 0
+                pass
             if n:
                 print(f"removed {n} shared-memory files the killed job {old['job']} left in "
                       f"{old['shm_dir']}", flush=True)

@@ -1,0 +1,102 @@
+"""Whole-job resume: `laminar train` killed with SIGKILL (the driver and every process it
+started: Ray's own, the pools, the rollouts, the relays, the trainer) at seeded moments, three
+times, then `laminar resume RUN_DIR` finishes the run, and every group's gradient is in the
+final model exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+from laminar.pools.resume import check_lineage
+
+JOB = {
+    "name": "resume-test", "mode": "laminar",
+    "sft": {"enabled": False},
+    "task": {"reverse": {"max_len": 12}, "eval_prompts": 8},
+    "rollout": {"max_new_tokens": 13, "group_size": 2, "num_workers": 2, "batch_groups": 2,
+                "engine": {"max_batch_size": 8}, "max_outstanding_batches": 2},
+    "cluster": {"virtual_nodes": 2, "wait_timeout_s": 120, "heartbeat_s": 1.0, "num_cpus": 4},
+    "manager": {"interval_s": 0.2},
+    "trainer": {"prompts_per_step": 4, "threads": 1, "total_steps": 30, "checkpoint_every": 3,
+                "eval_every": 0},
+    "metrics": {"live": False},
+}
+LAMINAR = [sys.executable, "-m", "laminar.cli"]
+
+
+def _step_rows(run_dir: Path) -> int:
+    try:
+        return sum('"kind": "step"' in line for line in (run_dir / "metrics.jsonl").open())
+    except FileNotFoundError:
+        return 0
+
+
+def _kill_job(proc: subprocess.Popen) -> int:
+    """SIGKILL the driver and every process under it; returns how many."""
+    root = psutil.Process(proc.pid)
+    victims = [root, *root.children(recursive=True)]
+    for p in victims:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=30)
+    proc.wait(timeout=30)
+    return len(victims)
+
+
+def test_a_job_killed_three_times_resumes_and_trains_every_group_exactly_once(tmp_path):
+    rng = random.Random(17)
+    run_dir = tmp_path / "run"
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({**JOB, "run_dir": str(run_dir)}))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray cluster
+    cmd = [*LAMINAR, "train", str(config)]
+    jobs, kills = [], []
+    for round_ in range(3):
+        before = _step_rows(run_dir)
+        log = (tmp_path / f"round{round_}.log").open("w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        target = before + rng.randint(1, 3)  # updates this incarnation makes before its kill
+        deadline = time.monotonic() + 240
+        while _step_rows(run_dir) < target:
+            assert proc.poll() is None, f"round {round_} ended early:\n" + \
+                (tmp_path / f"round{round_}.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"round {round_} made no progress"
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.0))  # anywhere in the next update: mid-step, mid-push
+        jobs.append(json.loads((run_dir / "job.json").read_text())["job"])
+        kills.append((_step_rows(run_dir), _kill_job(proc)))
+        assert all(n > 5 for _, n in kills)  # the driver, Ray's processes and the actors
+        cmd = [*LAMINAR, "resume", str(run_dir)]
+
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert out.count("resume: model from version") == 1 and "exactly-once check: passed" in out
+
+    report = json.loads((run_dir / "report.json").read_text())
+    cfg_steps, per_step = JOB["trainer"]["total_steps"], JOB["trainer"]["prompts_per_step"]
+    once = report["exactly_once"]
+    assert once["ok"] and once["restarts"] == 3
+    assert once["groups"] == cfg_steps * per_step  # total_steps updates, each group once
+    again = check_lineage(run_dir, JOB["rollout"]["group_size"], cfg_steps * per_step)
+    assert again.ok and not again.duplicates
+    acct = report["prompts"]
+    assert acct["issued"] == acct["leased"] + acct["returned"] + acct["completed"]
+    assert acct["consumed"] == cfg_steps * per_step
+    # the killed jobs' relays left shared memory behind; the next job removed it
+    shm = JOB.get("relay", {}).get("shm_dir", "/dev/shm")
+    assert not [p for p in os.listdir(shm) if any(p.startswith(f"lam-{j}-") for j in jobs)]
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert sum(e.get("what") == "resume" for e in events) == 3
