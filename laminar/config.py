@@ -174,6 +174,14 @@ class ManagerConfig(Section):
                          "Algorithm 1.")
     batch_bound: int = Field(32, ge=1, description="Roofline batch bound B of Algorithm 1: the "
                              "most trajectories a destination may hold after a repack.")
+    recreate: bool = Field(True, description="Start a new rollout in place of one whose process "
+                           "died, once its work has failed over: on the same node (another live "
+                           "relay's when that node's relay is gone too), under a new incarnation "
+                           "id `<rollout>.<n>`, from the starting weights, pulling the newest "
+                           "version from its relay before it generates.")
+    max_recreates: int = Field(3, ge=0, description="Times one rollout slot is re-created (a "
+                               "failed start counts); after that the job goes on with one rollout "
+                               "fewer, so a rollout that dies at every start cannot loop.")
 
 
 class TrainerConfig(Section):

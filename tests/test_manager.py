@@ -1,13 +1,14 @@
 """The rollout manager's decision loop without Ray: hand-built snapshots, a fleet and pools
 that record what they are asked. Repack, refused moves, failover (same version, restart from
-scratch), deadlines, expired leases, relay death; and the pure health functions."""
+scratch), re-creation of a dead rollout, deadlines, expired leases, relay death (the master's
+too) and the fault records; and the pure health functions."""
 
 from __future__ import annotations
 
 import time
 
 from laminar.config import load_config
-from laminar.manager.health import assign_unfinished, overdue, repoint
+from laminar.manager.health import assign_unfinished, incarnation, overdue, recreate_on, repoint
 from laminar.manager.manager import RolloutManager
 from laminar.pools.partials import PartialEntry
 from laminar.types import (GenerationRequest, PromptGroup, PromptItem, RolloutCounters,
@@ -33,6 +34,8 @@ class Fleet:
         self.silent: set[str] = set()
         self.calls: list[tuple] = []
         self.held: dict[str, list[Unfinished]] = {r: [unfinished(f"{r}-t")] for r in snaps}
+        self.starting: dict[str, str] = {}  # spawned, not running yet: id -> relay
+        self.fail_start: set[str] = set()  # spawned ids whose start fails
 
     def snapshots(self, ids, timeout_s):
         live = {r: self.snaps[r] for r in ids if r in self.snaps and r not in self.gone | self.silent}
@@ -57,6 +60,18 @@ class Fleet:
 
     def set_relay(self, rid, relay):
         self.calls.append(("set_relay", rid, relay))
+
+    def spawn(self, rid, relay):
+        self.calls.append(("spawn", rid, relay))
+        self.starting[rid] = relay
+
+    def spawned(self):
+        started = sorted(r for r in self.starting if r not in self.fail_start)
+        failed = {r: "it raised" for r in self.starting if r in self.fail_start}
+        for r in started:
+            self.snaps[r] = snap(r, version=5, draining=False)
+        self.starting = {}
+        return started, failed
 
 
 class Pools:
@@ -87,10 +102,12 @@ class Relays:
         self.dead: list[str] = []
         self.chain = ["node0", "node1"]
 
-    def check(self):
+    def find_dead(self):
         dead, self.dead = self.dead, []
-        self.chain = [r for r in self.chain if r not in dead]
         return dead
+
+    def cut(self, dead):
+        self.chain = [r for r in self.chain if r not in dead]
 
     @property
     def order(self):
@@ -101,9 +118,9 @@ class Relays:
         return {r: 3 for r in self.chain}
 
 
-def manager(fleet, pools, relays=None, repack=True, mixes=False, placement=None):
+def manager(fleet, pools, relays=None, repack=True, mixes=False, placement=None, cfg=CFG):
     placement = placement or {r: "node0" for r in fleet.snaps}
-    return RolloutManager(CFG, fleet, pools, relays, placement, repack, mixes)
+    return RolloutManager(cfg, fleet, pools, relays, placement, repack, mixes)
 
 
 def test_repack_moves_the_sparser_draining_rollout_to_the_denser_one():
@@ -178,6 +195,77 @@ def test_rollouts_of_a_dead_relay_pull_from_a_live_one():
     assert m.check_relays() == ["node1"]
     assert fleet.calls == [("set_relay", "b", "node0")]
     assert m.stats()["chain"] == ["node0"] and m.counters["dead_relays"] == 1
+    [fault] = m.stats()["faults"]
+    assert (fault["kind"], fault["who"], fault["master"], fault["chain"]) == ("relay", "node1", False, ["node0"])
+
+
+def test_a_dead_master_relay_is_recorded_and_its_rollouts_repointed():
+    fleet = Fleet({"a": snap("a", draining=False), "b": snap("b", draining=False)})
+    relays = Relays()
+    m = manager(fleet, Pools(), relays, placement={"a": "node0", "b": "node1"})
+    relays.dead = ["node0"]
+    assert m.check_relays() == ["node0"] and m.check_relays() == []
+    assert fleet.calls == [("set_relay", "a", "node1")]
+    [fault] = m.stats()["faults"]
+    assert fault["master"] and fault["chain"] == ["node1"]
+    assert fault["detected_at"] <= fault["repaired_at"]
+
+
+def test_a_dead_rollout_is_recreated_on_its_relay_under_a_new_incarnation():
+    fleet = Fleet({"a": snap("a", version=3, draining=False), "b": snap("b", version=3, draining=False)})
+    fleet.gone.add("b")
+    moved = unfinished("t-b", version=3)
+    pools = Pools({"b": [PartialEntry(moved.request, GROUP, "b")]})
+    m = manager(fleet, pools, Relays(), placement={"a": "node0", "b": "node1"})
+    m.check_once()
+    assert ("spawn", "b.1", "node1") in fleet.calls  # beside its own relay, which lives
+    assert m.stats()["spawning"] == ["b.1"] and m.stats()["workers"] == ["a"]
+    m.check_once()  # it answered: it joins
+    stats = m.stats()
+    assert stats["workers"] == ["a", "b.1"] and stats["recreated"] == [["b", "b.1"]]
+    assert m.rollout_relay["b.1"] == "node1" and stats["recreated_workers"] == 1
+    [fault] = stats["faults"]
+    assert (fault["kind"], fault["who"], fault["replacement"]) == ("rollout", "b", "b.1")
+    assert fault["moved"] == {"t-b": 3}  # continued on "a" in its own version
+    assert fault["detected_at"] <= fault["repaired_at"] <= fault["recreated_at"]
+    # the new incarnation dies too: the slot's next one is b.2
+    fleet.gone.add("b.1")
+    m.check_once()
+    assert ("spawn", "b.2", "node1") in fleet.calls and m.dead == ["b", "b.1"]
+
+
+def test_recreation_is_bounded_off_when_asked_and_moves_on_after_a_failed_start():
+    fleet = Fleet({"a": snap("a", draining=False), "b": snap("b", draining=False)})
+    fleet.gone.add("b")
+    off = load_config(None, ["manager.recreate=false"])
+    m = manager(fleet, Pools(), cfg=off)
+    m.check_once()
+    assert not [c for c in fleet.calls if c[0] == "spawn"]
+
+    fleet = Fleet({"a": snap("a", draining=False), "b": snap("b", draining=False)})
+    fleet.gone.add("b")
+    fleet.fail_start = {"b.1", "b.2"}
+    relays = Relays()
+    m = manager(fleet, Pools(), relays, placement={"a": "node0", "b": "node1"},
+                cfg=load_config(None, ["manager.max_recreates=2"]))
+    m.check_once()
+    m.check_once()  # b.1 failed on node1: b.2 tries the other relay's node
+    m.check_once()  # b.2 failed too: the slot's budget is spent
+    spawns = [c for c in fleet.calls if c[0] == "spawn"]
+    assert spawns == [("spawn", "b.1", "node1"), ("spawn", "b.2", "node0")]
+    assert m.counters["recreate_failures"] == 2 and m.stats()["workers"] == ["a"]
+
+
+def test_work_that_found_no_live_rollout_goes_to_the_recreated_one():
+    fleet = Fleet({"only": snap("only", version=2, draining=False)})
+    fleet.gone.add("only")
+    pools = Pools({"only": [PartialEntry(unfinished("t", version=2).request, GROUP, "only")]})
+    m = manager(fleet, pools)
+    m.check_once()
+    assert pools.reassigned == [] and m.orphaned == {"only"}  # nobody to take it yet
+    m.check_once()  # only.1 joined (holding version 5): the work restarts there from scratch
+    assert pools.reassigned == [(["t"], "only.1", [[]])] and m.orphaned == set()
+    assert m.counters["restarted_trajectories"] == 1
 
 
 def test_retire_moves_the_work_and_stops_the_rollout():
@@ -207,3 +295,12 @@ def test_overdue_and_repoint():
     assert overdue({"a": 10.0, "b": 1.0}, now=11.0, limit_s=5.0) == ["b"]
     assert repoint({"r0": "n0", "r1": "n1", "r2": "n1"}, ["n1"], ["n0", "n2"]) == {"r1": "n0", "r2": "n2"}
     assert repoint({"r0": "n0"}, ["n0"], []) == {}
+
+
+def test_recreate_on_its_own_node_first_and_incarnation_ids():
+    assert recreate_on("n1", ["n0", "n1"]) == "n1"  # its relay lives: the same node
+    assert recreate_on("n1", ["n0", "n2"]) == "n0"  # its relay died too: the first live one
+    assert recreate_on("n1", ["n0", "n1"], failed=frozenset({"n1"})) == "n0"  # a start failed there
+    assert recreate_on("n1", ["n1"], failed=frozenset({"n1"})) == "n1"  # nowhere else to go
+    assert recreate_on("n1", []) is None
+    assert [incarnation("rollout0", n) for n in range(3)] == ["rollout0", "rollout0.1", "rollout0.2"]

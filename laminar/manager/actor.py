@@ -1,14 +1,19 @@
 """The rollout manager as a Ray actor: `RolloutManager` with Ray-backed doors.
 
-`RayFleet` calls the rollout actors, `RayManagerPools` the pool actors, `RayRelays` the relay
-group (and tells the trainer when the chain changes). The runtime makes it a threaded actor:
-`run` occupies one thread until `stop`, while `stats`, `add_rollout` and `retire` are served
-by others.
+`RayFleet` calls the rollout actors and starts new ones in place of dead ones; `RolloutSpec`
+is how a rollout actor starts, which the runtime uses for the first ones and hands to the
+manager, so a re-created rollout starts as they did (a child of this actor, it ends with it).
+`RayManagerPools` calls the pool actors; `RayRelays` the relay group (and tells the trainer
+when the chain changes). The runtime makes it a threaded actor: `run` occupies one thread
+until `stop`, while `stats`, `rollouts`, `add_rollout` and `retire` are served by others.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -19,11 +24,38 @@ from laminar.pools.partials import PartialEntry
 from laminar.runtime.relays import RelayGroup
 from laminar.types import GenerationRequest, RolloutSnapshot, Unfinished
 
+log = logging.getLogger("laminar.manager")
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """What starting a rollout actor takes: the runtime's start, `add_worker` and the manager's
+    re-creation of a dead rollout all start them alike."""
+
+    cfg: Config
+    model_dir: str  # the starting weights
+    version: int  # their version (a rollout pulls the newest from its relay before generating)
+    relays: dict[str, dict[str, Any]]  # relay id -> its RelayInfo as a dict
+    options: dict[str, dict[str, Any]]  # relay id -> Ray options of a rollout on its node (pin)
+    pools: dict[str, Any]  # the pool actors
+    policy: Any  # the schedule's Policy in Ray's object store (`ray.put`): Ray hands the object
+    # to each rollout, and the manager never unpickles it (a schedule's module imports torch)
+
+    def start(self, rollout_id: str, relay_id: str) -> Any:
+        from laminar.rollout.actor import RolloutActor  # torch: only where a rollout starts
+
+        return ray.remote(RolloutActor).options(**self.options[relay_id]).remote(
+            rollout_id, self.cfg, self.model_dir, self.relays[relay_id], self.pools, self.policy,
+            self.version)
+
 
 class RayFleet:
-    def __init__(self, handles: dict[str, Any], relay_infos: dict[str, dict[str, Any]],
-                 timeout_s: float) -> None:
-        self.handles, self.relay_infos, self.timeout_s = dict(handles), relay_infos, timeout_s
+    """A rollout may die at any moment: a call to one that died answers as a refusal (adopt)
+    or nothing (export); the next health check fails it over."""
+
+    def __init__(self, handles: dict[str, Any], spec: RolloutSpec, timeout_s: float) -> None:
+        self.handles, self.spec, self.timeout_s = dict(handles), spec, timeout_s
+        self.starting: dict[str, tuple[Any, Any, float]] = {}  # id -> (handle, first snapshot, since)
 
     def snapshots(self, ids: list[str], timeout_s: float) -> tuple[dict[str, RolloutSnapshot], list[str]]:
         refs = {r: self.handles[r].snapshot.remote() for r in ids if r in self.handles}
@@ -39,13 +71,22 @@ class RayFleet:
         return snaps, gone
 
     def export(self, rollout_id: str) -> list[Unfinished]:
-        return ray.get(self.handles[rollout_id].export.remote(), timeout=self.timeout_s)
+        try:
+            return ray.get(self.handles[rollout_id].export.remote(), timeout=self.timeout_s)
+        except ray.exceptions.RayActorError:
+            return []
 
     def adopt(self, rollout_id: str, moved: list[Unfinished]) -> bool:
-        return ray.get(self.handles[rollout_id].adopt.remote(moved), timeout=self.timeout_s)
+        try:
+            return ray.get(self.handles[rollout_id].adopt.remote(moved), timeout=self.timeout_s)
+        except ray.exceptions.RayActorError:
+            return False
 
     def release(self, rollout_id: str) -> None:
-        ray.get(self.handles[rollout_id].release.remote(), timeout=self.timeout_s)
+        try:
+            ray.get(self.handles[rollout_id].release.remote(), timeout=self.timeout_s)
+        except ray.exceptions.RayActorError:
+            pass
 
     def stop(self, rollout_id: str) -> None:
         ray.get(self.handles[rollout_id].stop.remote(), timeout=self.timeout_s)
@@ -58,7 +99,36 @@ class RayFleet:
             pass  # already gone
 
     def set_relay(self, rollout_id: str, relay_id: str) -> None:
-        self.handles[rollout_id].set_relay.remote(self.relay_infos[relay_id])
+        self.handles[rollout_id].set_relay.remote(self.spec.relays[relay_id])
+
+    def spawn(self, rollout_id: str, relay_id: str) -> None:
+        handle = self.spec.start(rollout_id, relay_id)
+        self.starting[rollout_id] = (handle, handle.snapshot.remote(), time.monotonic())
+
+    def spawned(self) -> tuple[list[str], dict[str, str]]:
+        """Started rollouts whose first snapshot came back get their loop started; those whose
+        constructor failed or that did not answer within cluster.wait_timeout_s are killed."""
+        if not self.starting:
+            return [], {}
+        refs = [ref for _, ref, _ in self.starting.values()]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        started, failed = [], {}
+        for rid, (handle, ref, since) in list(self.starting.items()):
+            if ref not in ready and time.monotonic() - since < self.timeout_s:
+                continue
+            del self.starting[rid]
+            try:
+                if ref not in ready:
+                    raise TimeoutError(f"no answer within cluster.wait_timeout_s={self.timeout_s:.0f}s")
+                ray.get(ref)
+                ray.get(handle.start.remote(), timeout=self.timeout_s)
+            except Exception as e:  # its constructor raised, its node is gone, it hangs
+                failed[rid] = f"{type(e).__name__}: {e}"
+                ray.kill(handle, no_restart=True)
+                continue
+            self.handles[rid] = handle
+            started.append(rid)
+        return started, failed
 
 
 class RayManagerPools:
@@ -89,11 +159,19 @@ class RayRelays:
     def __init__(self, group: RelayGroup, trainer_name: str) -> None:
         self.group, self.trainer_name = group, trainer_name
 
-    def check(self) -> list[str]:
-        dead = self.group.check()
-        if dead:
-            ray.get_actor(self.trainer_name).set_plan.remote(self.group.plan.to_dict())
-        return dead
+    def find_dead(self) -> list[str]:
+        return self.group.find_dead()
+
+    def cut(self, dead: list[str]) -> None:
+        """The relays get the new plan, then the trainer (whose pushes go to its master). A
+        trainer that is restarting misses it: its pusher skips a dead master on its own."""
+        self.group.cut(dead)
+        try:
+            trainer = ray.get_actor(self.trainer_name)
+            ray.get(trainer.set_plan.remote(self.group.plan.to_dict()), timeout=self.group.cfg.timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError) as e:
+            log.warning("the trainer did not take the new relay plan (%s); its pusher finds the "
+                        "new master by itself", e)
 
     @property
     def order(self) -> list[str]:
@@ -107,10 +185,9 @@ class RayRelays:
 class ManagerActor(RolloutManager):
     def __init__(self, cfg: Config, rollouts: dict[str, Any], rollout_relay: dict[str, str],
                  pools: dict[str, Any], relays: RelayGroup, trainer_name: str, repack: bool,
-                 mixes_versions: bool) -> None:
+                 mixes_versions: bool, spec: RolloutSpec) -> None:
         timeout = cfg.cluster.wait_timeout_s
-        infos = {r: info.to_dict() for r, info in relays.infos.items()}
-        super().__init__(cfg, RayFleet(rollouts, infos, timeout), RayManagerPools(pools, timeout),
+        super().__init__(cfg, RayFleet(rollouts, spec, timeout), RayManagerPools(pools, timeout),
                          RayRelays(relays, trainer_name), rollout_relay, repack, mixes_versions)
         self.stop_event = threading.Event()
 
@@ -124,3 +201,7 @@ class ManagerActor(RolloutManager):
     def add_rollout(self, rollout_id: str, handle: Any, relay_id: str) -> None:
         self.fleet.handles[rollout_id] = handle
         self.add(rollout_id, relay_id)
+
+    def rollouts(self, ids: list[str]) -> dict[str, Any]:
+        """Handles of live rollouts (the runtime asks for those this actor started)."""
+        return {r: self.fleet.handles[r] for r in ids if r in self.fleet.handles}

@@ -1,9 +1,12 @@
 """The rollout manager's pure decisions about failures: who is dead, who continues the dead
-one's work, which relay a rollout pulls from once its own died.
+one's work, which relay a rollout pulls from once its own died, where and under which id a dead
+rollout is started again.
 
     overdue(last_seen, now, limit_s)                  -> rollouts silent for too long
     assign_unfinished(moved, versions, mixes)         -> {destination: [Unfinished]}, restarted
     repoint(rollout_relay, dead_relays, live_relays)  -> {rollout: new relay}
+    recreate_on(relay, live_relays, failed)           -> the relay a re-created rollout pulls from
+    incarnation(slot, n)                              -> "rollout0.2": the id of a slot's n-th re-creation
 
 No I/O and no clocks of their own; the manager (manager.py) gathers the inputs and applies
 the answers.
@@ -60,3 +63,19 @@ def repoint(rollout_relay: dict[str, str], dead: list[str], live: list[str]) -> 
         return {}
     orphans = sorted(r for r, relay in rollout_relay.items() if relay in dead)
     return {r: live[k % len(live)] for k, r in enumerate(orphans)}
+
+
+def recreate_on(relay: str, live: list[str], failed: frozenset[str] = frozenset()) -> str | None:
+    """Where a dead rollout that pulled from `relay` is started again: on that relay's node
+    while the relay lives, else beside the first live relay of the chain; relays where a start
+    just `failed` only when no other lives. None when no relay lives."""
+    usable = [r for r in live if r not in failed] or live
+    return relay if relay in usable else (usable[0] if usable else None)
+
+
+def incarnation(slot: str, n: int) -> str:
+    """The id of the `n`-th re-creation of rollout `slot` (0: the slot's first process). Every
+    incarnation has its own id, so nothing keyed by rollout id mixes two processes: the pools'
+    ownership (a late update from the dead process never applies to work of the new one), the
+    driver's per-rollout counters (a new process counts from zero) and the list of the dead."""
+    return slot if n == 0 else f"{slot}.{n}"

@@ -7,13 +7,23 @@ and capacity, trajectories in flight), and every `relay.heartbeat_s` each relay'
   declared dead; its unfinished trajectories (from the partial response pool) continue on live
   rollouts (`health.assign_unfinished`: same version, or from scratch, so a trajectory never
   mixes versions unless the schedule does), its untouched leases go back to the prompt pool;
-- **relays**: a dead relay is cut out of the chain (`Relays.check`), and the rollouts that
-  pulled from it pull from a live one (`health.repoint`);
+  work that found no live rollout stays in the partial pool and is handed over at a later check;
+- **re-creation** (`manager.recreate`, at most `manager.max_recreates` times per slot): a new
+  rollout starts in the dead one's place (`Fleet.spawn`, on its relay's node, `health.
+  recreate_on`) under a new incarnation id (`health.incarnation`: `rollout0.1`), and joins
+  the fleet once it answers; the start runs in the background, so checks go on meanwhile;
+- **relays**: a dead relay (the master too) is cut out of the chain and the live relays and
+  the trainer get the new plan (`Relays.find_dead`, `Relays.cut`); the rollouts that pulled
+  from it pull from a live one (`health.repoint`);
 - **repack** (schedules whose policy `repacks`): `ramp_down_loads` picks the draining rollouts,
   `plan_repack` (Algorithm 1) pairs each source with the densest same-version destination; each
   move is export (abort; the source holds) → adopt (the destination re-prefills) → partial pool
   reassign → release (the emptied source pulls the newest weights and leases its next batch);
 - **elasticity**: `add` registers a joining rollout; `retire` moves a leaving one's work first.
+
+Every failure is recorded in `stats()["faults"]`: kind (rollout, relay), who, when the manager
+detected it and when it was repaired (work handed over; the chain re-planned), and for a
+rollout the trajectories that moved with the version they continue in and its replacement.
 
 Plain Python over three small doors (`Fleet`, `ManagerPools`, `Relays`); the decisions are
 pure functions (health.py, repack.py). The Ray actor (actor.py) supplies Ray-backed doors.
@@ -28,7 +38,7 @@ import time
 from typing import Any, Protocol
 
 from laminar.config import Config
-from laminar.manager.health import assign_unfinished, overdue, repoint
+from laminar.manager.health import assign_unfinished, incarnation, overdue, recreate_on, repoint
 from laminar.manager.repack import plan_repack, ramp_down_loads
 from laminar.pools.partials import PartialEntry
 from laminar.types import GenerationRequest, RolloutSnapshot, Unfinished
@@ -54,6 +64,13 @@ class Fleet(Protocol):
 
     def set_relay(self, rollout_id: str, relay_id: str) -> None: ...
 
+    def spawn(self, rollout_id: str, relay_id: str) -> None:
+        """Start a new rollout process that pulls from `relay_id` (on its node); returns at once."""
+
+    def spawned(self) -> tuple[list[str], dict[str, str]]:
+        """Spawned rollouts that now run (started and answering), and those whose start
+        failed, with why."""
+
 
 class ManagerPools(Protocol):
     def owned_by(self, owner: str) -> list[PartialEntry]: ...
@@ -68,7 +85,11 @@ class ManagerPools(Protocol):
 
 
 class Relays(Protocol):
-    def check(self) -> list[str]: ...  # heartbeat, cut the dead out; returns their ids
+    def find_dead(self) -> list[str]: ...  # heartbeat every relay of the chain: the dead or hung
+
+    def cut(self, dead: list[str]) -> None:
+        """Re-plan the chain without `dead` (a dead master's successor becomes master); returns
+        once the live relays and the trainer hold the new plan."""
 
     @property
     def order(self) -> list[str]: ...  # the chain now, master first
@@ -89,8 +110,14 @@ class RolloutManager:
         self.counters = {"checks": 0, "repacks": 0, "moved_trajectories": 0, "repack_s": 0.0,
                          "refused_moves": 0, "dead_workers": 0, "failover_trajectories": 0,
                          "restarted_trajectories": 0, "returned_groups": 0, "retired_workers": 0,
-                         "dead_relays": 0}
+                         "dead_relays": 0, "recreated_workers": 0, "recreate_failures": 0}
         self.dead: list[str] = []
+        self.slot = {r: r for r in rollout_relay}  # live rollout -> its slot (first incarnation's id)
+        self.recreates: dict[str, int] = {}  # slot -> re-creations started so far
+        self.spawning: dict[str, tuple[str, str, str, dict[str, Any]]] = {}  # new id -> (slot, dead id, relay, fault)
+        self.recreated: list[list[str]] = []  # [dead id, the id of the rollout that replaced it]
+        self.orphaned: set[str] = set()  # dead rollouts with work that found no live rollout yet
+        self.faults: list[dict[str, Any]] = []  # {kind, who, detected_at, repaired_at, ...}, Unix time
 
     def run(self, stop: threading.Event) -> dict[str, Any]:
         """Check rollouts every manager.interval_s and relays every relay.heartbeat_s until
@@ -104,7 +131,11 @@ class RolloutManager:
         return self.stats()
 
     def stats(self) -> dict[str, Any]:
+        """Counters and state, JSON-safe. Not under the lock (a retirement holds it for long);
+        each copy is one step the health loop cannot interleave with."""
         return {**self.counters, "dead": list(self.dead), "workers": sorted(self.rollout_relay),
+                "recreated": [list(p) for p in self.recreated], "spawning": sorted(self.spawning),
+                "faults": [dict(f) for f in self.faults],
                 "chain": list(self.relays.order) if self.relays is not None else [],
                 "relay_versions": dict(self.relays.latest) if self.relays is not None else {}}
 
@@ -112,6 +143,7 @@ class RolloutManager:
 
     def check_once(self) -> dict[str, RolloutSnapshot]:
         with self.lock:
+            self._collect_spawned()
             heartbeat = self.cfg.cluster.heartbeat_s
             snaps, gone = self.fleet.snapshots(sorted(self.rollout_relay), heartbeat)
             now = time.monotonic()
@@ -125,6 +157,10 @@ class RolloutManager:
                 self._failover(r, snaps)
             for owner in sorted(expired - set(self.rollout_relay) - set(dead)):
                 self._return_leases(owner)  # a rollout that left or died earlier
+            for owner in sorted(self.orphaned) if snaps else []:
+                entries = self.pools.owned_by(owner)
+                if len(self._hand_over(owner, [Unfinished(e.request, e.group) for e in entries], snaps)) == len(entries):
+                    self.orphaned.discard(owner)
             self.counters["checks"] += 1
             if self.repack and len(snaps) > 1:
                 for source, dest in plan_repack(ramp_down_loads(snaps.values()),
@@ -133,49 +169,105 @@ class RolloutManager:
             return snaps
 
     def check_relays(self) -> list[str]:
+        dead = self.relays.find_dead()  # outside the lock: a hung relay takes relay.timeout_s
+        if not dead:
+            return []
         with self.lock:
-            dead = self.relays.check()
-            if dead:
-                self.counters["dead_relays"] += len(dead)
-                for rollout, relay in repoint(self.rollout_relay, dead, self.relays.order).items():
-                    self.rollout_relay[rollout] = relay
-                    self.fleet.set_relay(rollout, relay)
-                log.warning("relays %s died; the chain is now %s", dead, self.relays.order)
+            detected, master = time.time(), self.relays.order[0]
+            self.relays.cut(dead)
+            for rollout, relay in repoint(self.rollout_relay, dead, self.relays.order).items():
+                self.rollout_relay[rollout] = relay
+                self.fleet.set_relay(rollout, relay)
+            repaired, chain = time.time(), list(self.relays.order)
+            self.counters["dead_relays"] += len(dead)
+            self.faults += [{"kind": "relay", "who": r, "master": r == master, "detected_at": detected,
+                             "repaired_at": repaired, "chain": chain} for r in dead]
+            log.warning("relays %s died; the chain is now %s (re-planned in %.3fs)", dead, chain,
+                        repaired - detected)
             return dead
 
     def _failover(self, dead: str, live: dict[str, RolloutSnapshot]) -> None:
         log.warning("rollout %s is dead; failing over", dead)
-        del self.rollout_relay[dead]
+        detected = time.time()
+        relay, slot = self.rollout_relay.pop(dead), self.slot.pop(dead, dead)
         self.last_seen.pop(dead, None)
         self.dead.append(dead)
         self.counters["dead_workers"] += 1
         self.fleet.drop(dead)
         entries = self.pools.owned_by(dead)
-        self._hand_over(dead, [Unfinished(e.request, e.group) for e in entries], live)
+        moved = self._hand_over(dead, [Unfinished(e.request, e.group) for e in entries], live)
+        if len(moved) < len(entries):
+            self.orphaned.add(dead)
         self.counters["failover_trajectories"] += len(entries)
+        fault = {"kind": "rollout", "who": dead, "detected_at": detected, "repaired_at": time.time(),
+                 "moved": {m.request.request_id: m.request.version for m in moved},
+                 "replacement": None, "recreated_at": None}
+        self.faults.append(fault)
+        self._recreate(slot, dead, relay, fault)
 
-    def _hand_over(self, owner: str, moved: list[Unfinished], live: dict[str, RolloutSnapshot]) -> None:
+    def _hand_over(self, owner: str, moved: list[Unfinished],
+                   live: dict[str, RolloutSnapshot]) -> list[Unfinished]:
         """Continue `owner`'s unfinished trajectories on live rollouts; its untouched leases go
-        back to the prompt pool."""
-        pending = moved
+        back to the prompt pool. Returns the trajectories that moved, as they continue (a
+        restarted one without its tokens and version); the rest stay `owner`'s."""
+        first = {m.request.request_id: m.request.version for m in moved}
+        pending, adopted = moved, []
         for _ in range(3):  # a destination may change version between snapshot and adopt
             versions = {r: s.version for r, s in live.items() if r in self.rollout_relay}
-            plan, restarted = assign_unfinished(pending, versions, self.mixes_versions)
-            self.counters["restarted_trajectories"] += restarted
+            if not versions:
+                break
+            plan, _ = assign_unfinished(pending, versions, self.mixes_versions)
             pending = []
             for dest, items in plan.items():
                 if self.fleet.adopt(dest, items):
                     self.pools.reassign([m.request.request_id for m in items], dest,
                                         [m.request for m in items])
+                    adopted += items
                 else:
                     pending += items
             if not pending:
                 break
             live, _ = self.fleet.snapshots(sorted(self.rollout_relay), self.cfg.cluster.heartbeat_s)
+        self.counters["restarted_trajectories"] += sum(
+            1 for m in adopted if first[m.request.request_id] is not None and m.request.version is None)
         if pending:
             log.warning("%d trajectories of %s found no live rollout; they stay in the partial "
-                        "pool", len(pending), owner)
+                        "pool until one does", len(pending), owner)
         self._return_leases(owner)
+        return adopted
+
+    def _recreate(self, slot: str, dead: str, relay: str, fault: dict[str, Any],
+                  failed_on: frozenset[str] = frozenset()) -> None:
+        """Start a rollout in the place of `dead` (manager.recreate), unless its slot used up
+        manager.max_recreates; it joins at a later check, once it answers (`_collect_spawned`)."""
+        n = self.recreates.get(slot, 0)
+        if not self.cfg.manager.recreate or n >= self.cfg.manager.max_recreates:
+            return
+        relays = list(self.relays.order) if self.relays is not None else [relay]
+        on = recreate_on(relay, relays, failed_on)
+        if on is None:
+            log.warning("no live relay to start a rollout in place of %s beside", dead)
+            return
+        self.recreates[slot] = n + 1
+        new = incarnation(slot, n + 1)
+        self.spawning[new] = (slot, dead, on, fault)
+        log.warning("starting rollout %s in place of %s (pulling from relay %s)", new, dead, on)
+        self.fleet.spawn(new, on)
+
+    def _collect_spawned(self) -> None:
+        started, failed = self.fleet.spawned()
+        for new in started:
+            slot, dead, relay, fault = self.spawning.pop(new)
+            self.rollout_relay[new], self.slot[new], self.last_seen[new] = relay, slot, time.monotonic()
+            fault["replacement"], fault["recreated_at"] = new, time.time()
+            self.recreated.append([dead, new])
+            self.counters["recreated_workers"] += 1
+            log.warning("rollout %s replaces %s", new, dead)
+        for new, why in failed.items():
+            slot, dead, relay, fault = self.spawning.pop(new)
+            self.counters["recreate_failures"] += 1
+            log.warning("rollout %s (in place of %s) did not start: %s", new, dead, why)
+            self._recreate(slot, dead, relay, fault, frozenset({relay}))
 
     def _return_leases(self, owner: str) -> None:
         returned = self.pools.release_owner(owner, self.pools.live_groups())
@@ -207,6 +299,7 @@ class RolloutManager:
         """A rollout joins the running job."""
         with self.lock:
             self.rollout_relay[rollout_id] = relay_id
+            self.slot[rollout_id] = rollout_id
             self.last_seen[rollout_id] = time.monotonic()
 
     def retire(self, rollout_id: str) -> int:
@@ -222,6 +315,7 @@ class RolloutManager:
                 time.sleep(0.05)
             self.fleet.stop(rollout_id)
             del self.rollout_relay[rollout_id]
+            self.slot.pop(rollout_id, None)
             self.last_seen.pop(rollout_id, None)
             live, _ = self.fleet.snapshots(sorted(self.rollout_relay), self.cfg.cluster.heartbeat_s)
             self._hand_over(rollout_id, moved, live)

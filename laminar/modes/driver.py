@@ -186,8 +186,11 @@ class Follower:
             for dead in manager["dead"][len(last["dead"]):]:
                 self.log_event("failure", f"rollout {dead} died; its unfinished trajectories "
                                "continue on live rollouts")
+            recreated = manager.get("recreated", [])  # the local backend has no manager
+            for dead, new in recreated[len(last.get("recreated", [])):]:
+                self.log_event("recreated", f"rollout {new} started in place of {dead}")
             before, now = set(last["workers"]), set(manager["workers"])
-            for wid in sorted(now - before):
+            for wid in sorted(now - before - {new for _, new in recreated}):
                 self.log_event("join", f"rollout {wid} joined the job")
             for wid in sorted(before - now - set(manager["dead"])):
                 self.log_event("leave", f"rollout {wid} left the job (its work moved to peers)")

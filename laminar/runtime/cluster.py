@@ -23,7 +23,7 @@ import os
 import secrets
 import time
 import uuid
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 import ray
@@ -112,7 +112,7 @@ class ClusterRuntime:
         repack = cfg.manager.repack and self.policy.repacks
         self.manager = ray.remote(ManagerActor).options(**THREADED).remote(
             cfg, self.workers, dict(self.placement.worker_relay), self.pools, self.relays,
-            self.names["trainer"], repack, self.policy.mixes_versions)
+            self.names["trainer"], repack, self.policy.mixes_versions, self.rollout_spec)
         self.wait_all({f"rollout worker {w}": h.snapshot.remote() for w, h in self.workers.items()}
                       | {"trainer": self.trainer.metrics_since.remote(0),
                          "rollout manager": self.manager.stats.remote()})
@@ -184,13 +184,18 @@ class ClusterRuntime:
             ray.get(self.pools["partials"].reassign.remote(
                 [m.request.request_id for m in mine], wid, [m.request for m in mine]))
 
-    def _start_rollout(self, wid: str) -> Any:
-        from laminar.rollout.actor import RolloutActor
+    @cached_property
+    def rollout_spec(self) -> Any:
+        """How a rollout actor starts; the manager starts a dead one's replacement from it."""
+        from laminar.manager.actor import RolloutSpec
 
-        relay_id = self.placement.worker_relay[wid]
-        return ray.remote(RolloutActor).options(**THREADED, **self._pin(self.placement.relay_node[relay_id])).remote(
-            wid, self.cfg, self.model_dir, self.relays.infos[relay_id].to_dict(), self.pools,
-            self.policy, self.start_version)
+        return RolloutSpec(self.cfg, self.model_dir, self.start_version,
+                           {r: info.to_dict() for r, info in self.relays.infos.items()},
+                           {r: {**THREADED, **self._pin(n)} for r, n in self.placement.relay_node.items()},
+                           self.pools, ray.put(self.policy))
+
+    def _start_rollout(self, wid: str) -> Any:
+        return self.rollout_spec.start(wid, self.placement.worker_relay[wid])
 
     def _init_ray(self) -> None:
         if ray.is_initialized():
@@ -240,7 +245,11 @@ class ClusterRuntime:
     # ------------------------------------------------------------------------- the driver API
 
     def _live(self) -> dict[str, Any]:
-        dead = set(self.manager_stats()["dead"])
+        manager = self.manager_stats()
+        joined = sorted(set(manager["workers"]) - set(self.workers))
+        if joined:  # the manager started them in place of dead ones
+            self.workers |= ray.get(self.manager.rollouts.remote(joined), timeout=60)
+        dead = set(manager["dead"])
         return {w: h for w, h in self.workers.items() if w not in dead}
 
     def generate(self, num_groups: int) -> list[Any]:
@@ -334,6 +343,7 @@ class ClusterRuntime:
         where every leased prompt group ended up."""
         self.manager.stop.remote()
         ray.wait([self.manager_loop], timeout=self.cfg.cluster.wait_timeout_s)
+        self._live()  # a rollout the manager started in place of a dead one stops too
         refs = {w: h.stop.remote() for w, h in self.workers.items()}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.cfg.cluster.wait_timeout_s)
         for w, ref in refs.items():

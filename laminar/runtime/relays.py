@@ -1,14 +1,16 @@
 """The relays of one job as Ray actors: started, chained, heartbeated, repaired.
 
     group = RelayGroup(["node0", "node1"], job, secret, cfg.relay, options)   # starts them
-    dead = group.check()       # heartbeat every relay in the plan; cut the dead ones out
+    dead = group.find_dead()   # heartbeat every relay in the plan: the dead and the hung
+    group.cut(dead)            # re-plan without them; returns once the live relays hold the plan
+    dead = group.check()       # both
     group.shutdown()           # stop them and remove their shared memory
 
 The runtime starts the group and shuts it down; the rollout manager (laminar/manager/) calls
-`check()` as part of its health loop, so one component owns the health of rollouts and relays.
-Relays also repair their own link when their successor dies (laminar/relay/relay.py), so
-`check()` only has to make the plans agree; a dead master's successor becomes master
-(`plan.repair`).
+`find_dead()` and `cut()` as part of its health loop, so one component owns the health of
+rollouts and relays. Relays also repair their own link when their successor dies
+(laminar/relay/relay.py), so `cut()` only has to make the plans agree; a dead master's
+successor becomes master (`plan.repair`).
 """
 
 from __future__ import annotations
@@ -53,7 +55,15 @@ class RelayGroup:
         return self.plan.master
 
     def check(self) -> list[str]:
-        """Heartbeat every relay in the plan; returns the ids found dead (and repairs)."""
+        """Heartbeat every relay in the plan; returns the ids found dead (and cuts them out)."""
+        dead = self.find_dead()
+        if dead:
+            self.cut(dead)
+        return dead
+
+    def find_dead(self) -> list[str]:
+        """Heartbeat every relay in the plan: those whose process is gone or that did not
+        answer within relay.timeout_s."""
         ids = list(self.plan.order)
         refs = [self.actors[i].heartbeat.remote() for i in ids]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.timeout_s)
@@ -65,12 +75,16 @@ class RelayGroup:
                 self.latest[i] = ray.get(ref)["latest"]
             except Exception:  # actor died or hangs: both mean cut it out
                 dead.append(i)
+        return dead
+
+    def cut(self, dead: list[str]) -> None:
+        """Re-plan the chain without `dead` (one link changes per relay; a dead master's
+        successor becomes master) and tell the live relays; returns once they acknowledged
+        or relay.timeout_s passed."""
         for i in dead:
             self.plan = repair(self.plan, i)
-        if dead:
-            log.warning("relays %s are gone; chain is now %s", dead, list(self.plan.order))
-            self._broadcast_plan()
-        return dead
+        log.warning("relays %s are gone; chain is now %s", dead, list(self.plan.order))
+        self._broadcast_plan()
 
     def shutdown(self) -> None:
         for i, actor in self.actors.items():
