@@ -17,6 +17,7 @@ BENCHMARKS = {
     "engine": "laminar.bench.engine",
     "relay": "laminar.bench.relay",
     "modes": "laminar.bench.modes",
+    "faults": "laminar.bench.faults",
     "index": "laminar.bench.results",  # not a benchmark: the table of docs/results/*.json
 }
 

@@ -7,6 +7,7 @@ it runs on either backend."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +55,8 @@ class Follower:
         self.evals_done: set[str] = set()
         self.next_clock_eval = time.time() + cfg.trainer.eval_every_s  # trainer.eval_every_s
         self.newest_evaluated = -1  # the newest version an evaluation has reported on
+        self.restarts = 0  # trainer restarts seen
+        self.published_key = ""  # what processes.json / faults-JOB.json last said
         if cfg.resume:
             summary = getattr(rt, "resumed", None)
             self.log_event("resume", f"the job resumed in {run_dir}: " + (
@@ -114,6 +117,7 @@ class Follower:
         self._records(self.rt.take_records())
         manager = self.rt.manager_stats()
         self._events(manager)
+        self._publish(manager)
         self._reassign_evals(manager["workers"])
         self.view.update(self._live_state(snaps, manager))
         if not rows:
@@ -199,6 +203,23 @@ class Follower:
         self.chain = manager["chain"]
         self.last_manager = manager
 
+    def _publish(self, manager: dict[str, Any]) -> None:
+        """RUN_DIR/processes.json (which process is which) and RUN_DIR/faults-JOB.json (the
+        manager's fault records), rewritten when they change: for an operator's scripts and
+        `laminar bench faults`, which kill processes by these ids."""
+        if not hasattr(self.rt, "process_ids"):
+            return  # one process: nothing to name
+        key = json.dumps([manager["workers"], manager["chain"], manager.get("faults"), self.restarts])
+        if key == self.published_key:
+            return
+        run_dir = self.cfg.resolved_run_dir
+        ids = self.rt.process_ids(manager)
+        if ids["trainer"] is None:
+            return  # restarting: try again at the next poll
+        _write_json(run_dir / "processes.json", ids)
+        _write_json(run_dir / f"faults-{ids['job']}.json", manager.get("faults", []))
+        self.published_key = key
+
     def _live_state(self, snaps: dict[str, Any], manager: dict[str, Any]) -> Any:
         from laminar.live import LiveState, RolloutLine
 
@@ -250,6 +271,7 @@ class Follower:
                 if restarts == 0:
                     raise
                 restarts -= 1
+                self.restarts += 1
                 self.log_event("trainer_restart", "the trainer died; it restarts from its newest "
                                "checkpoint (rollouts go on)")
                 self._await_trainer()
@@ -260,20 +282,26 @@ class Follower:
             return value
 
 
+def _write_json(path: Any, value: Any) -> None:
+    tmp = path.with_suffix(".tmp")  # atomic: a reader never sees half a file
+    tmp.write_text(json.dumps(value, default=str))
+    os.replace(tmp, path)
+
+
 def finish(rt: Any, follower: Follower) -> dict[str, Any]:
     """The final held-out evaluation, then stop the loops and report where every leased prompt
     group ended up; the end-of-run line leads with the held-out score before -> after."""
     cfg = rt.cfg
     follower.final_eval()
     report = rt.finish()
-    follower.close()
-    first, last = reward_trend(read_metrics(cfg.resolved_run_dir))
-    report |= {"reward_first": first, "reward_last": last}
     once = check_lineage(cfg.resolved_run_dir, cfg.rollout.group_size,
                          None if follower.step is None else follower.step * cfg.trainer.prompts_per_step)
     report["exactly_once"] = once.to_dict()
     if not once.ok:
         follower.log_event("exactly_once_failed", once.line())
+    follower.close()
+    first, last = reward_trend(read_metrics(cfg.resolved_run_dir))
+    report |= {"reward_first": first, "reward_last": last}
     evals = read_rows(cfg.resolved_run_dir, "eval")
     heldout = ""
     if evals:
@@ -295,5 +323,5 @@ def finish(rt: Any, follower: Follower) -> dict[str, Any]:
     print(f"done: {heldout}mean training reward {first:.3f} (first steps) -> {last:.3f} (last "
           f"steps); groups trained {report['prompts']['consumed']}, repacks "
           f"{report['manager']['repacks']} ({cfg.resolved_run_dir}{page})", flush=True)
-    return report
     print(once.line(), flush=True)
+    return report
