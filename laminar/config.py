@@ -222,6 +222,10 @@ class TrainerConfig(Section):
         0.0, ge=0.0, description="Also evaluate the newest version every this many seconds of "
         "wall-clock time since the rollouts started (0 = off): schedules that update at different "
         "rates are then scored on the same clock (`laminar bench modes` uses it).")
+    max_nonfinite_steps: int = Field(
+        3, ge=1, description="An optimizer update whose loss or gradient norm is NaN or inf is "
+        "skipped (counted as `nonfinite_skipped`); this many in a row stop the run with a "
+        "checkpoint and an error naming the version (a lower trainer.lr usually helps).")
 
 
 class SFTConfig(Section):

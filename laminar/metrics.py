@@ -20,10 +20,14 @@ CONSOLE = [("reward", "reward", ".3f"), ("exact", "exact_match", ".2f"),
 
 
 def summarize(trajs: list[Trajectory]) -> dict[str, Any]:
+    """`reward` is the mean over the trajectories whose reward worked (0 when none did);
+    `failed_trajectories` counts the others, which the trainer left out."""
     lengths = np.array([len(t.response_ids) for t in trajs])
     staleness = Counter(t.staleness for t in trajs if t.staleness is not None)
+    scored = [t.reward for t in trajs if t.failed is None]
     return {
-        "reward": float(np.mean([t.reward for t in trajs])),
+        "reward": float(np.mean(scored)) if scored else 0.0,
+        "failed_trajectories": len(trajs) - len(scored),
         "exact_match": float(np.mean([t.exact_match for t in trajs])),
         "response_len_p50": float(np.percentile(lengths, 50)),
         "response_len_p99": float(np.percentile(lengths, 99)),

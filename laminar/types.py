@@ -121,6 +121,8 @@ class Trajectory:
     finish_reason: FinishReason | None = None
     token_versions: list[int] | None = None  # per token; only `partial` mode mixes versions
     staleness: int | None = None  # trainer version at consumption - version; set by the trainer
+    failed: str | None = None  # why its reward failed for good (laminar.tasks.rewards.FAILURES):
+    # it still completes its group in the buffer; the trainer leaves it out
 
     @property
     def num_tokens(self) -> int:
@@ -148,7 +150,8 @@ class RolloutCounters:
     idle_s: float = 0.0  # nothing to decode (waiting for prompts, weights or the environment)
     swaps: int = 0  # interruptions of in-flight work for new weights (partial rollout)
     reprefill_tokens: int = 0  # tokens re-prefilled after a move or a swap
-    reward_errors: int = 0
+    reward_errors: int = 0  # trajectories whose reward failed for good (after its retries)
+    failed_by_reason: dict[str, int] = field(default_factory=dict)  # those, by reason
     adopted: int = 0  # trajectories received by repack or failover
     exported: int = 0  # trajectories handed over by repack or retirement
     versions: list[int] = field(default_factory=list)  # versions loaded, in order

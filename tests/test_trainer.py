@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from laminar.config import TrainerConfig
+from laminar.metrics import summarize
 from laminar.models import build_preset
 from laminar.trainer.advantage import group_advantages
 from laminar.trainer.batching import token_budget_batches
 from laminar.trainer.loss import policy_loss, token_logprobs
-from laminar.trainer.trainer import Trainer, collate, split_groups
+from laminar.trainer.trainer import NonFiniteTraining, Trainer, collate, split_groups
 from laminar.types import Trajectory
 
 
@@ -170,3 +171,60 @@ def test_rollout_old_logprobs_use_what_the_engine_recorded():
     trainer = Trainer(build_preset("tiny"), TrainerConfig(mini_batches=2), pad_token_id=0)
     trainer.train_step(_stale_batch())
     assert trainer.last_minibatches[0]["ratio_mean"] != pytest.approx(1.0, abs=1e-3)
+
+
+def _trained(trajs):
+    torch.manual_seed(0)
+    model = build_preset("tiny", seed=0)
+    trainer = Trainer(model, TrainerConfig(lr=1e-2), pad_token_id=0)
+    return model, trainer.train_step(trajs)
+
+
+def test_failed_samples_are_left_out_and_their_group_trains_on_the_others():
+    """A sample whose reward failed completes its group in the buffer but not the gradient:
+    training on the group with it gives the very weights of training on the group without
+    it; a group whose samples all failed contributes nothing."""
+    def batch():
+        group = [_traj(i, "g", [1, 5, 6], [7 + i, 8, 2], reward=r)
+                 for i, r in enumerate([1.0, 0.0, 0.5, 0.2])]
+        failed = _traj(4, "g", [1, 5, 6], [30, 31, 32, 2], reward=0.0)
+        dead = [_traj(i, "h", [1, 9], [10 + i, 2]) for i in range(2)]
+        failed.failed, dead[0].failed, dead[1].failed = "timeout", "error", "nan"
+        return group, [failed, *dead]
+
+    group, failed = batch()
+    with_failed, stats = _trained(group + failed)
+    without, _ = _trained(batch()[0])
+    start = build_preset("tiny", seed=0)
+    assert math.isfinite(stats["loss"]) and stats["nonfinite_skipped"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(with_failed.parameters(), without.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(with_failed.parameters(), start.parameters()))
+    summary = summarize(group + failed)
+    assert summary["failed_trajectories"] == 3
+    assert summary["reward"] == pytest.approx((1.0 + 0.0 + 0.5 + 0.2) / 4)  # the scored ones
+
+
+def test_a_nonfinite_loss_skips_the_update_and_k_in_a_row_stop_training(caplog):
+    torch.manual_seed(0)
+    model = build_preset("tiny")
+    trainer = Trainer(model, TrainerConfig(lr=1e-2, max_nonfinite_steps=3), pad_token_id=0)
+
+    def batch(nan: bool):
+        trajs = [_traj(i, "g", [1, 5, 6], [7 + i, 8, 2], reward=float(i)) for i in range(2)]
+        if nan:
+            trajs[1].logprobs[0] = float("nan")  # a corrupt behaviour log-prob
+        return trajs
+
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = trainer.train_step(batch(nan=True))
+    assert stats["nonfinite_skipped"] == 1 and "loss" not in stats and trainer.version == 1
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # no step taken
+    assert not trainer.optimizer.state  # and Adam's moments untouched
+    assert "trainer step 1: skipped an optimizer update" in caplog.text
+    trainer.train_step(batch(nan=True))
+    assert trainer.train_step(batch(nan=False))["nonfinite_skipped"] == 0  # resets the count
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    trainer.train_step(batch(nan=True))
+    trainer.train_step(batch(nan=True))
+    with pytest.raises(NonFiniteTraining, match=r"3 optimizer updates in a row up to step 6"):
+        trainer.train_step(batch(nan=True))

@@ -6,7 +6,10 @@ Parts:
 - `Trainer.train_step` computes group advantages, splits the batch into `mini_batches` (one
   AdamW update each; gradients accumulate over length-sorted micro-batches within one), and
   bumps `version` once per global batch; with `old_logprobs` = `recompute` or `decoupled` the
-  ratio is taken against a copy of the weights as they were when the global batch began;
+  ratio is taken against a copy of the weights as they were when the global batch began.
+  Trajectories whose reward failed (`failed` set) are left out before the group advantages;
+  an update whose loss or gradient norm is not finite is skipped (`nonfinite_skipped`), and
+  `trainer.max_nonfinite_steps` skipped in a row raise `NonFiniteTraining`;
 - `save_checkpoint` / `load_checkpoint` write and read model (Hugging Face format), optimizer,
   version, RNG state and any caller state (e.g. the data position), atomically.
 """
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
+import math
 import random
 import shutil
 import time
@@ -31,6 +36,13 @@ from laminar.trainer.advantage import group_advantages
 from laminar.trainer.batching import token_budget_batches
 from laminar.trainer.loss import policy_loss, token_logprobs
 from laminar.types import Trajectory
+
+log = logging.getLogger("laminar.trainer")
+
+
+class NonFiniteTraining(RuntimeError):
+    """`trainer.max_nonfinite_steps` optimizer updates in a row had a NaN or inf loss or
+    gradient norm: training has diverged (the service checkpoints and stops the run)."""
 
 
 @dataclass
@@ -84,6 +96,7 @@ class Trainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.version = 0  # completed global batches = version of the current weights
         self._pending: list[dict[str, float]] = []  # stats of this global batch's mini-batches
+        self.nonfinite_in_a_row = 0  # updates skipped for a NaN / inf loss or gradient, in a row
         self.last_minibatches: list[dict[str, float]] = []  # those of the last finished one
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
@@ -107,12 +120,17 @@ class Trainer:
 
     def train_minibatch(self, trajs: list[Trajectory]) -> None:
         """One optimizer update on whole groups; gradients accumulate over length-sorted
-        micro-batches so the loss is the token-level mean of the mini-batch."""
+        micro-batches so the loss is the token-level mean of the mini-batch. Failed samples
+        are left out (a group keeps its others); a NaN / inf loss or gradient skips the update."""
         t0 = time.perf_counter()
         if self.prox_model is not None and not self._pending:  # a new global batch begins
             self.prox_model.load_state_dict(self.model.state_dict())
         for t in trajs:
             t.staleness = self.version - t.version
+        trajs = [t for t in trajs if t.failed is None]
+        if not trajs:  # every sample failed: nothing to learn from
+            self._pending.append({"train_s": time.perf_counter() - t0, "nonfinite_skipped": 0})
+            return
         adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs]).tolist()
         num_tokens = sum(len(t.response_ids) for t in trajs)
         sums: dict[str, float] = {}
@@ -127,17 +145,45 @@ class Trainer:
                 sums[key] = sums.get(key, 0.0) + value * weight
         sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                                  self.cfg.grad_clip))
-        self.optimizer.step()
+        if math.isfinite(sums["loss"]) and math.isfinite(sums["grad_norm"]):
+            self.optimizer.step()
+            self.nonfinite_in_a_row = 0
+            sums["nonfinite_skipped"] = 0
+        else:
+            self._skip_nonfinite(sums["loss"], sums["grad_norm"])
+            sums = {"nonfinite_skipped": 1}
         sums["train_s"] = time.perf_counter() - t0
         self._pending.append(sums)
 
+    def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
+        """Drop this update's gradients (no optimizer step); too many in a row end training."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_in_a_row += 1
+        limit = self.cfg.max_nonfinite_steps
+        log.warning("trainer step %d: skipped an optimizer update, its loss is %s and its "
+                    "gradient norm %s (%d in a row; trainer.max_nonfinite_steps=%d)",
+                    self.version + 1, loss, grad_norm, self.nonfinite_in_a_row, limit)
+        if self.nonfinite_in_a_row >= limit:
+            raise NonFiniteTraining(
+                f"training diverged: {self.nonfinite_in_a_row} optimizer updates in a row up to "
+                f"step {self.version + 1} had a non-finite loss or gradient norm (last: loss "
+                f"{loss}, gradient norm {grad_norm}); trainer.max_nonfinite_steps={limit}. Resume "
+                "from the newest checkpoint with a lower trainer.lr, or look for NaN / inf in the "
+                "rewards and log-probs")
+
     def finish_global_batch(self) -> dict[str, float]:
-        """Close the global batch: version += 1; returns the mini-batches' mean stats."""
+        """Close the global batch: version += 1; returns the mini-batches' mean stats (over
+        those that made an update) and the sums of `train_s` and `nonfinite_skipped`."""
         pending, self._pending = self._pending, []
         self.last_minibatches = pending
         self.version += 1
-        metrics = {key: sum(p[key] for p in pending) / len(pending) for key in pending[0]}
-        metrics["train_s"] = sum(p["train_s"] for p in pending)
+        keys = dict.fromkeys(key for p in pending for key in p)
+        metrics = {}
+        for key in keys:
+            values = [p[key] for p in pending if key in p]
+            metrics[key] = sum(values) / len(values)
+        for key in ("train_s", "nonfinite_skipped"):
+            metrics[key] = sum(p[key] for p in pending)
         return metrics
 
     def _loss(self, batch: Batch, num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
