@@ -83,6 +83,21 @@ class TaskConfig(Section):
         None, description="Reward function as a dotted path `package.module:function` with the "
         "signature fn(prompt: str, response: str, answer: str) -> float in [0, 1]. Default: the "
         "task's own reward (similarity to the answer).")
+    reward_isolation: Literal["auto", "process", "inline"] = Field(
+        "auto", description="Where the reward runs. `process`: in a pool of worker processes "
+        "that are killed and replaced when a call outlives `reward_timeout_s` (a hanging reward "
+        "costs one timeout, never the rollout). `inline`: in the rollout's own thread (no "
+        "timeout possible). `auto`: inline for laminar's own rewards (laminar.tasks.rewards, "
+        "fast and trusted), a process pool for any other.")
+    reward_workers: int = Field(2, ge=1, description="Reward worker processes per rollout "
+                                "(process isolation), started on demand.")
+    reward_timeout_s: float = Field(
+        30.0, gt=0.0, description="Longest one reward call may run (process isolation); then its "
+        "worker is killed and the call counts as failed with reason `timeout`.")
+    reward_retries: int = Field(
+        1, ge=0, description="Times a failed reward call (it raised, timed out, or returned NaN / "
+        "inf or a value outside [0, 1]) is tried again before its trajectory is marked failed: "
+        "counted by reason and left out of training.")
     eval_prompts: int = Field(128, ge=1, description="Held-out prompts used to report exact match.")
     seed: int = Field(0, description="Seed of the task's data generation and shuffling.")
 
@@ -225,7 +240,7 @@ class TrainerConfig(Section):
     max_nonfinite_steps: int = Field(
         3, ge=1, description="An optimizer update whose loss or gradient norm is NaN or inf is "
         "skipped (counted as `nonfinite_skipped`); this many in a row stop the run with a "
-        "checkpoint and an error naming the version (a lower trainer.lr usually helps).")
+        "checkpoint and an error naming the step (a lower trainer.lr usually helps).")
 
 
 class SFTConfig(Section):

@@ -32,6 +32,7 @@ from laminar.rollout.loop import RolloutLoop
 from laminar.rollout.policy import Policy
 from laminar.rollout.requests import sampling_params
 from laminar.tasks import Task
+from laminar.tasks.reward_pool import open_rewards
 from laminar.tasks.rewards import resolve_reward
 from laminar.types import PromptGroup, RolloutSnapshot, Trajectory, Unfinished
 
@@ -110,7 +111,7 @@ class RolloutActor:
         io = RolloutIO(RayPrompts(pools["prompts"]), RayPartials(pools["partials"]),
                        RayBuffer(pools["buffer"]), RelayWeights(relay, cfg.relay))
         task = Task(cfg.task.name, [], [], resolve_reward(cfg.task.reward))
-        finisher = Finisher(task, tokenizer, cfg.rollout.env_latency, seed)
+        finisher = Finisher(task, tokenizer, cfg.rollout.env_latency, seed, open_rewards(cfg.task))
         evaluator = Evaluator.copying(engine, cfg.rollout.engine, tokenizer, task, seed)
         self.loop = RolloutLoop(rollout_id, engine, io, policy, finisher, sampling_params(cfg),
                                 cfg.rollout, cfg.cluster.heartbeat_s, evaluator)
@@ -133,6 +134,7 @@ class RolloutActor:
             self.stop_event.set()
             self.thread.join(timeout=self.cfg.cluster.wait_timeout_s)
             self.thread = None
+        self.loop.finisher.close()  # its reward workers (a later start() starts new ones)
         return self.loop.snapshot()
 
     # ------------------------------------------------------------------------- drivers

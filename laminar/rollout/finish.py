@@ -1,19 +1,27 @@
 """From a finished generation request to a scored trajectory, after its environment call.
 
-    finisher.add(request, group)          # score it; its emulated tool call starts now
-    for traj in finisher.ready():         # the ones whose call is over, for the buffer
+    finisher = Finisher(task, tokenizer, cfg.rollout.env_latency, seed, open_rewards(cfg.task))
+    finisher.add(request, group)          # its reward is submitted; its emulated tool call starts
+    for traj in finisher.ready():         # reward done and tool call over: for the buffer
         ...
+    finisher.close()                      # ends the reward workers
 
-The reward runs at `add`; a reward function that raises scores 0 and is counted
-(`reward_errors`). `rollout.env_latency` emulates a sandbox or tool call per trajectory: a
-log-normal wait before the trajectory is ready, like the paper's Fig. 2 (right). The trajectory
-carries the version of its first token, and its per-token versions when it mixes them.
+The reward runs as `rewards` says (laminar/tasks/reward_pool.py: killable worker processes with
+a timeout and retries, or inline; default inline with the task's reward). A trajectory whose
+reward failed for good is still handed on, with `failed` set to the reason and reward 0, so
+its GRPO group completes in the buffer; the trainer leaves it out. Failures are counted
+(`reward_errors`, `failed_by_reason`). `rollout.env_latency` emulates a sandbox or tool call per
+trajectory: a log-normal wait before the trajectory is ready, like the paper's Fig. 2 (right).
+The trajectory carries the version of its first token, and its per-token versions when it
+mixes them.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import time
+from collections import Counter
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -22,7 +30,11 @@ from laminar.config import EnvLatencyConfig
 from laminar.metrics import evenly
 from laminar.models.tokenizer import decode_response
 from laminar.tasks import Task
+from laminar.tasks.reward_pool import InlineRewards, RewardCall, RewardPool
+from laminar.tasks.rewards import exact_match
 from laminar.types import GenerationRequest, PromptGroup, Trajectory
+
+log = logging.getLogger("laminar.rewards")
 
 
 def to_trajectory(req: GenerationRequest, group: PromptGroup, reward: float,
@@ -37,30 +49,57 @@ def to_trajectory(req: GenerationRequest, group: PromptGroup, reward: float,
 
 class Finisher:
     def __init__(self, task: Task, tokenizer: PreTrainedTokenizerBase, env: EnvLatencyConfig,
-                 seed: int) -> None:
+                 seed: int, rewards: RewardPool | InlineRewards | None = None) -> None:
         self.task, self.tokenizer, self.env = task, tokenizer, env
+        self.rewards = rewards or InlineRewards(task.reward_fn)
         self.rng = np.random.default_rng(seed)  # the emulated environment's latencies
+        self.scoring: list[tuple[RewardCall, float, Trajectory]] = []  # reward not done yet
         self.waiting: list[tuple[float, str, Trajectory]] = []  # heap by ready time
-        self.reward_errors = 0
+        self.reward_errors = 0  # trajectories whose reward failed for good
+        self.failed_by_reason: Counter[str] = Counter()
         self.delays: list[float] = []  # emulated environment latencies since the last take
 
     def add(self, req: GenerationRequest, group: PromptGroup) -> None:
-        scored = self.task.score(group.item, decode_response(self.tokenizer, req.output_ids))
-        self.reward_errors += scored.error is not None
-        traj = to_trajectory(req, group, scored.reward, scored.exact_match)
+        response = decode_response(self.tokenizer, req.output_ids)
+        call = self.rewards.submit(group.item.prompt, response, group.item.answer)
+        traj = to_trajectory(req, group, 0.0, exact_match(response, group.item.answer))
         delay = 0.0
         if self.env.enabled:
             delay = min(self.env.max_s,
                         self.env.median_s * float(np.exp(self.env.sigma * self.rng.standard_normal())))
             if len(self.delays) < 4096:
                 self.delays.append(delay)
-        heapq.heappush(self.waiting, (time.monotonic() + delay, traj.traj_id, traj))
+        self.scoring.append((call, time.monotonic() + delay, traj))
+        self._collect()
 
     def ready(self) -> list[Trajectory]:
+        """Trajectories whose reward is done and whose environment call is over."""
+        self._collect()
         now, out = time.monotonic(), []
         while self.waiting and self.waiting[0][0] <= now:
             out.append(heapq.heappop(self.waiting)[2])
         return out
+
+    def _collect(self) -> None:
+        scoring = []
+        for call, at, traj in self.scoring:
+            if not call.done:
+                scoring.append((call, at, traj))
+                continue
+            traj.reward, traj.failed = call.reward, call.failed
+            if call.failed:
+                if not self.failed_by_reason[call.failed]:  # the first of each kind says why
+                    log.warning("reward of %s failed after %d tries (%s: %s); the trajectory is "
+                                "left out of training, and such failures are counted",
+                                traj.traj_id, call.tries, call.failed, call.error)
+                self.failed_by_reason[call.failed] += 1
+                self.reward_errors += 1
+            heapq.heappush(self.waiting, (at, traj.traj_id, traj))
+        self.scoring = scoring
+
+    def close(self) -> None:
+        """End the reward workers (a later `add` starts new ones)."""
+        self.rewards.close()
 
     def take_delays(self, at_most: int = 64) -> list[float]:
         """Up to `at_most` of the environment latencies since the last call, drawn evenly."""
@@ -68,4 +107,5 @@ class Finisher:
         return [round(d, 4) for d in evenly(out, at_most)]
 
     def __len__(self) -> int:
-        return len(self.waiting)
+        """Trajectories not ready yet: being scored or in their environment call."""
+        return len(self.scoring) + len(self.waiting)

@@ -278,6 +278,7 @@ class RolloutLoop:
         with self.lock:
             stats = self.engine.stats()
             self.counters.reward_errors = self.finisher.reward_errors
+            self.counters.failed_by_reason = dict(self.finisher.failed_by_reason)
             return RolloutSnapshot(
                 rollout_id=self.id, version=self.engine.version, num_in_flight=len(self.in_flight),
                 num_unsettled=len(self.finisher) + self.io.buffer.num_unconfirmed,

@@ -36,6 +36,7 @@ from laminar.rollout.loop import RolloutLoop
 from laminar.rollout.policy import Policy
 from laminar.rollout.requests import sampling_params
 from laminar.tasks import build_task
+from laminar.tasks.reward_pool import open_rewards
 from laminar.trainer.service import TrainerService, newest_checkpoint
 from laminar.types import RolloutSnapshot, Trajectory, Unfinished
 
@@ -130,13 +131,15 @@ class LocalRuntime:
                               self.tokenizer.pad_token_id, self.start_version, seed)
         io = RolloutIO(LocalPrompts(self.prompts), LocalPartials(self.partials),
                        LocalBuffer(self.buffer), BoardWeights(self.board))
-        finisher = Finisher(self.task, self.tokenizer, cfg.rollout.env_latency, seed)
+        finisher = Finisher(self.task, self.tokenizer, cfg.rollout.env_latency, seed,
+                            open_rewards(cfg.task))
         evaluator = Evaluator.copying(engine, cfg.rollout.engine, self.tokenizer, self.task, seed)
         return RolloutLoop(rollout_id, engine, io, self.policy, finisher, sampling_params(cfg),
                            cfg.rollout, cfg.cluster.heartbeat_s, evaluator)
 
     def __exit__(self, *exc: object) -> None:
-        pass
+        for loop in self.loops:
+            loop.finisher.close()
 
     # ------------------------------------------------------------------------- the driver API
 

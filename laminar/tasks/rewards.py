@@ -4,9 +4,10 @@ A reward function has the signature
 
     def reward(prompt: str, response: str, answer: str) -> float
 
-and returns a finite number, by convention in [0, 1]. Give your own as a dotted path
-`package.module:function` in `task.reward`. `score()` wraps any reward so that one raising or
-returning garbage marks that trajectory failed (reward 0, counted) instead of stopping training.
+and returns a finite number in [0, 1]. Give your own as a dotted path `package.module:function`
+in `task.reward`. `call_reward()` wraps any reward so that one raising or returning garbage
+fails that one call with a reason in `FAILURES` (reward 0) instead of stopping training;
+laminar/tasks/reward_pool.py adds the timeout and the retries, and runs it in worker processes.
 """
 
 from __future__ import annotations
@@ -80,13 +81,34 @@ def resolve_reward(path: str | None) -> RewardFn:
     return fn
 
 
-def score(fn: RewardFn, prompt: str, response: str, answer: str) -> tuple[float, str | None]:
-    """(reward, error). A reward that raises or is not a finite number scores 0 with an error."""
-    try:
-        value = fn(prompt, response, answer)
-        value = float(value)
-    except Exception as e:  # a user plugin may raise anything; one trajectory must not stop training
-        return 0.0, f"{type(e).__name__}: {e}"
+# Why a reward call failed: it raised (or returned something that is not a number, or its
+# worker process died); it did not answer within task.reward_timeout_s; it returned NaN or inf;
+# it returned a number outside [0, 1].
+FAILURES = ("error", "timeout", "nan", "out_of_range")
+
+
+def check_reward(value: float) -> tuple[float, str | None, str | None]:
+    """(reward, failure reason, error) of a value a reward function returned: the value itself
+    and two Nones when it keeps the contract, else 0 with a reason from `FAILURES`."""
     if not math.isfinite(value):
-        return 0.0, f"reward is not finite: {value}"
-    return value, None
+        return 0.0, "nan", f"reward is not finite: {value}"
+    if not 0.0 <= value <= 1.0:
+        return 0.0, "out_of_range", f"reward {value} is outside [0, 1]"
+    return value, None, None
+
+
+def call_reward(fn: RewardFn, prompt: str, response: str,
+                answer: str) -> tuple[float, str | None, str | None]:
+    """One call of `fn`: (reward, failure reason, error), as `check_reward` says."""
+    try:
+        value = float(fn(prompt, response, answer))
+    except Exception as e:  # a user plugin may raise anything; one trajectory must not stop training
+        return 0.0, "error", f"{type(e).__name__}: {e}"
+    return check_reward(value)
+
+
+def score(fn: RewardFn, prompt: str, response: str, answer: str) -> tuple[float, str | None]:
+    """(reward, error). A reward that raises, is not a finite number or is outside [0, 1]
+    scores 0 with an error."""
+    value, _, error = call_reward(fn, prompt, response, answer)
+    return value, error
