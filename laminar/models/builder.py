@@ -47,12 +47,22 @@ def build_preset(preset: str, seed: int = 0, attn_implementation: str = "sdpa") 
     return model
 
 
+def check_model_dir(path: str | Path, key: str = "model.path") -> None:
+    """A ConfigError naming `key` unless `path` is a local Hugging Face model directory."""
+    if not Path(path).is_dir():
+        raise ConfigError(f"{key}='{path}' does not exist; point it at a local Hugging Face model "
+                          "directory (config.json, weights and tokenizer files) or unset it to "
+                          "start from model.preset")
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"{key}='{path}' is not a Hugging Face model directory (no config.json "
+                          "inside); point it at a folder written by save_pretrained, such as a "
+                          "laminar checkpoint's model/ folder")
+
+
 def load_pretrained(path: str | Path, attn_implementation: str = "sdpa"
                     ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model.path='{path}' is not a Hugging Face model directory (no "
-                          "config.json); point it at a folder written by save_pretrained")
+    check_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation,
                                                  dtype=torch.float32)
     tokenizer = load_tokenizer(path)

@@ -30,7 +30,17 @@ def run_training(cfg: Config) -> dict[str, Any]:
     from laminar.sinks import check_backends
 
     check_backends(cfg.metrics)  # a missing wandb / mlflow fails now, not after the warm start
+    if cfg.task.name == "dataset" and cfg.cluster.backend == "ray":
+        report_dataset(cfg)  # the local runtime prints it as it loads the task
     model_dir, version = start_weights(cfg)
     mode = schedule(cfg.mode)
     with open_runtime(cfg, model_dir, version, mode.policy(cfg)) as rt:
         return mode.run(rt)
+
+
+def report_dataset(cfg: Config) -> None:
+    """One line on the console: the rows of `task.dataset` used and those skipped, by reason."""
+    from laminar.tasks.dataset import load_dataset
+
+    _, report = load_dataset(cfg.task.dataset)
+    print(report.summary(), flush=True)

@@ -25,6 +25,9 @@ def start_weights(cfg: Config) -> tuple[str, int]:
                               "model/ and trainer_state.json inside, e.g. runs/NAME/checkpoints/step_000010)")
         return str(ckpt / "model"), int(json.loads((ckpt / "trainer_state.json").read_text())["version"])
     if cfg.model.path:
+        from laminar.models.builder import check_model_dir
+
+        check_model_dir(cfg.model.path)  # here, not as a traceback from every component
         return cfg.model.path, 0
     from laminar.models import load_policy, save_pretrained
 

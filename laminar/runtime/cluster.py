@@ -198,11 +198,33 @@ class ClusterRuntime:
         return self.rollout_spec.start(wid, self.placement.worker_relay[wid])
 
     def _init_ray(self) -> None:
+        """Join `cluster.address` or start an embedded cluster. An address where nothing
+        answers is a ConfigError within seconds (ray.init would retry it for minutes)."""
+        import socket
+
+        from laminar.config import ConfigError
+
         if ray.is_initialized():
             return
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        if self.cfg.cluster.address:
-            ray.init(address=self.cfg.cluster.address, include_dashboard=False,
+        address = self.cfg.cluster.address
+        if address and address not in ("auto", "local"):
+            client = address.startswith("ray://")
+            host, sep, port = address.removeprefix("ray://").rpartition(":")
+            if not sep:  # no port: Ray Client's default, or a GCS address without one
+                host, port = address.removeprefix("ray://"), "10001" if client else ""
+            if not host or not port.isdigit():
+                raise ConfigError(f"cluster.address='{address}' is not host:port or "
+                                  "ray://host[:port] (e.g. 10.0.0.5:6379, ray://head:10001, auto)")
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=10.0).close()
+            except OSError as e:
+                raise ConfigError(
+                    f"cluster.address='{address}': nothing answers at {host}:{port} ({e}). Start "
+                    "the cluster there (`ray start --head` on that machine), fix the address, or "
+                    "unset cluster.address to run on an embedded local cluster") from None
+        if address:
+            ray.init(address=address, include_dashboard=False,
                      log_to_driver=True, configure_logging=False)
         else:
             ray.init(num_cpus=self.cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
