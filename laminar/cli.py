@@ -11,7 +11,7 @@ import importlib
 import sys
 from typing import Any
 
-from laminar.config import ConfigError, load_config
+from laminar.config import ConfigError, RunStopped, load_config
 
 BENCHMARKS = {
     "engine": "laminar.bench.engine",
@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"laminar: {e}", file=sys.stderr)
         return 2
+    except RunStopped as e:  # raised in a Ray actor, it arrives wrapped: print the cause's text
+        print(f"laminar: {getattr(e, 'cause', None) or e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("laminar: interrupted", file=sys.stderr)
         return 130

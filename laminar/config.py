@@ -38,6 +38,11 @@ class ConfigError(ValueError):
     """A user mistake in a config file or override; the CLI prints it without a traceback."""
 
 
+class RunStopped(RuntimeError):
+    """A run stopped for a reason its user can act on (e.g. training diverged); the CLI prints
+    the message in one line, no traceback. The message says what was saved and how to go on."""
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 

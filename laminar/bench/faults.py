@@ -59,20 +59,20 @@ WORKLOAD: dict[str, Any] = {  # laminar mode, 4 rollouts on two virtual nodes, h
 }
 
 
-def schedule(seed: int, k: int, span_s: float) -> list[tuple[float, str]]:
-    """Seeded kill times in [0.12, 0.85] of `span_s`: k rollouts, k relays (the first one the
-    master), the trainer once, the whole job once; at least 6% of the span apart."""
+def schedule(seed: int, k: int, total_steps: int) -> list[tuple[int, float, str]]:
+    """Seeded kills as (after this many updates have been logged, then this many seconds,
+    kind): k rollouts, k relays (the first one the master), the trainer once, the whole job
+    once; spread over updates 2 .. total_steps - 3, at least 2 updates apart, so each fault
+    is recovered from before the next."""
     rng = random.Random(seed)
     kinds = ["rollout"] * k + ["relay"] * k + ["trainer", "job"]
     rng.shuffle(kinds)
-    slots = sorted(rng.uniform(0.0, 1.0) for _ in kinds)
-    gap = 0.06
-    times, at = [], 0.12
-    for s in slots:  # spread: each at its own place, never closer than `gap`
-        at = max(at, 0.12 + s * (0.85 - 0.12 - gap * len(kinds)))
-        times.append(at)
-        at += gap
-    return [(t * span_s, kind) for t, kind in zip(times, kinds)]
+    room = total_steps - 5 - 2 * (len(kinds) - 1)
+    if room < 0:
+        raise ValueError(f"{total_steps} updates are too few for {len(kinds)} kills 2 updates apart")
+    cuts = sorted(rng.randint(0, room) for _ in kinds)
+    return [(2 + c + 2 * i, round(rng.uniform(0.0, 1.0), 3), kind)
+            for i, (c, kind) in enumerate(zip(cuts, kinds))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def run_clean(run_dir: Path, config: Path, log: Path) -> dict[str, Any]:
     return {"wall_s": time.time() - t0, **outcome(run_dir, job)}
 
 
-def run_faulty(run_dir: Path, config: Path, log: Path, plan: list[tuple[float, str]],
+def run_faulty(run_dir: Path, config: Path, log: Path, plan: list[tuple[int, float, str]],
                seed: int) -> dict[str, Any]:
     rng = random.Random(seed + 1)
     job = Job(run_dir, log)
@@ -157,19 +157,25 @@ def run_faulty(run_dir: Path, config: Path, log: Path, plan: list[tuple[float, s
     job.start(["train", str(config)])
     kills: list[dict[str, Any]] = []
     pending = list(plan)
+    due: float | None = None  # when the next kill fires, once its update count is reached
     relays_killed = 0
     while job.alive():
         job.watch()
-        now = time.time() - t0
-        if pending and now >= pending[0][0] and job.steps() > 0:
-            _, kind = pending.pop(0)
+        if pending and due is None and job.steps() >= pending[0][0]:
+            due = time.time() + pending[0][1]
+        if due is not None and time.time() >= due:
+            at_step, _, kind = pending[0]
             kill = _kill(job, kind, rng, master=(kind == "relay" and relays_killed == 0))
-            if kill is None:  # nothing of that kind alive right now: try again a moment later
-                pending.insert(0, (now + 1.0, kind))
+            if kill is None:  # nothing of that kind to kill right now: a moment later
+                due = time.time() + 0.5
             else:
-                kill["at_s"] = round(now, 3)
+                pending.pop(0)
+                due = None
+                kill |= {"at_s": round(kill["killed_at"] - t0, 3), "after_updates": job.steps()}
                 kills.append(kill)
                 relays_killed += kind == "relay"
+                print(f"[bench faults] killed {kind} {kill['who']} at {kill['at_s']:.1f}s "
+                      f"(after {kill['after_updates']} updates logged)", flush=True)
                 if kind == "job":
                     job.start(["resume", str(run_dir)])
         time.sleep(0.1)
@@ -178,7 +184,7 @@ def run_faulty(run_dir: Path, config: Path, log: Path, plan: list[tuple[float, s
         raise RuntimeError(f"the faulty run failed (exit {job.proc.returncode}); see {log}")
     wall = time.time() - t0
     faults = [measure(k, job, run_dir) for k in kills]
-    return {"wall_s": wall, "faults": faults, "not_done": [kind for _, kind in pending],
+    return {"wall_s": wall, "faults": faults, "not_done": [kind for _, _, kind in pending],
             **outcome(run_dir, job)}
 
 
@@ -215,7 +221,7 @@ def _kill(job: Job, kind: str, rng: random.Random, master: bool) -> dict[str, An
 def measure(kill: dict[str, Any], job: Job, run_dir: Path) -> dict[str, Any]:
     """Seconds from the kill to its detection and to its recovery."""
     t = kill["killed_at"]
-    out = {k: v for k, v in kill.items() if k not in ("killed_at",)}
+    out = {k: v for k, v in kill.items() if k != "killed_at"}
     if kill["kind"] in ("rollout", "relay"):
         record = _manager_fault(run_dir, kill)
         if record is None:
@@ -266,7 +272,8 @@ def outcome(run_dir: Path, job: Job) -> dict[str, Any]:
     acct, once = report["prompts"], report["exactly_once"]
     lost_groups = acct["issued"] - (acct["leased"] + acct["returned"] + acct["completed"])
     return {"exactly_once": once, "accounting": acct, "steps": len(steps),
-            "trained_tokens_logged": kept_tokens,  # lost updates (rolled back by a restart) included "lost_groups": lost_groups,
+            "trained_tokens_logged": kept_tokens,  # lost updates (rolled back by a restart) included
+            "lost_groups": lost_groups,
             "manager": {k: report["manager"].get(k) for k in
                         ("dead_workers", "recreated_workers", "dead_relays", "failover_trajectories",
                          "restarted_trajectories")}}
@@ -299,8 +306,9 @@ def main(quick: bool = False, out: str | None = None, seed: int = 0) -> dict[str
               flush=True)
         if name == "clean":
             results[name] = run_clean(run_dir, config, log)
-            plan = schedule(seed, k, results[name]["wall_s"])
-            print("[bench faults] kills at " + ", ".join(f"{t:.1f}s {kind}" for t, kind in plan), flush=True)
+            plan = schedule(seed, k, workload["trainer"]["total_steps"])
+            print("[bench faults] kills: " + ", ".join(f"{kind} after update {n} (+{d:.2f}s)"
+                                                       for n, d, kind in plan), flush=True)
         else:
             results[name] = run_faulty(run_dir, config, log, plan, seed)
     report = summarize(results, k, workload)
@@ -358,6 +366,8 @@ def print_table(report: dict[str, Any]) -> None:
           f"{report['trajectories_duplicated']}; throughput faulty/clean "
           f"{report['throughput_ratio_faulty_vs_clean']:.3f}; exactly-once after the resume: "
           f"{report['resume_exact']}")
+    if report["faulty"].get("not_done"):
+        print(f"not done (the run ended first): {report['faulty']['not_done']}")
 
 
 def _s(x: float | None) -> str:

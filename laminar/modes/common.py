@@ -36,10 +36,10 @@ def start_weights(cfg: Config) -> tuple[str, int]:
 
         return str(run_sft(cfg)), 0
     path = cfg.resolved_run_dir / "initial_model"
-    save_pretrained(*load_policy(cfg.model), path)
-    return str(path), 0
     if cfg.resume and (path / "config.json").is_file():
         return str(path), 0  # the same initial weights as before the kill
+    save_pretrained(*load_policy(cfg.model), path)
+    return str(path), 0
 
 
 def start_step(cfg: Config) -> int:

@@ -324,6 +324,19 @@ class ClusterRuntime:
     def trainer_pid(self) -> int:
         return ray.get(self.trainer.pid.remote())
 
+    def process_ids(self, manager: dict[str, Any]) -> dict[str, Any]:
+        """Which process is which (RUN_DIR/processes.json, for operators and `laminar bench
+        faults`): the driver, the trainer, every live rollout and every relay in the chain."""
+        try:
+            trainer = ray.get(self.trainer.pid.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            trainer = None  # restarting
+        live = {w: h for w, h in self._live().items() if w in manager["workers"]}
+        pids = self._answers({w: h.pid.remote() for w, h in live.items()})
+        return {"job": self.job, "driver": os.getpid(), "trainer": trainer, "rollouts": pids,
+                "relays": {r: self.relays.pids.get(r) for r in manager["chain"]},
+                "chain": list(manager["chain"]), "updated_at": time.time()}
+
     def snapshots(self) -> dict[str, RolloutSnapshot]:
         """Rollouts that answer within 10 s (a dead one is the manager's to report)."""
         return self._answers({w: h.snapshot.remote() for w, h in self.workers.items()})
@@ -346,19 +359,6 @@ class ClusterRuntime:
         live = sorted(self._live())
         self.eval_turn += 1
         wid = live[self.eval_turn % len(live)]
-    def process_ids(self, manager: dict[str, Any]) -> dict[str, Any]:
-        """Which process is which (RUN_DIR/processes.json, for operators and `laminar bench
-        faults`): the driver, the trainer, every live rollout and every relay in the chain."""
-        try:
-            trainer = ray.get(self.trainer.pid.remote(), timeout=10)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            trainer = None  # restarting
-        live = {w: h for w, h in self._live().items() if w in manager["workers"]}
-        pids = self._answers({w: h.pid.remote() for w, h in live.items()})
-        return {"job": self.job, "driver": os.getpid(), "trainer": trainer, "rollouts": pids,
-                "relays": {r: self.relays.pids.get(r) for r in manager["chain"]},
-                "chain": list(manager["chain"]), "updated_at": time.time()}
-
         self.workers[wid].request_eval.remote(job)
         return wid
 

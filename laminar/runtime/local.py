@@ -208,7 +208,7 @@ class LocalRuntime:
     def finish(self) -> dict[str, Any]:
         for loop in self.loops:
             loop.settle(timeout_s=self.cfg.cluster.wait_timeout_s)
-        return {"prompts": self.prompts.accounting(), "buffer": self.buffer.counts(),
-                "manager": self.manager_stats()}
         for pool in (self.prompts, self.partials, self.buffer):
             pool.flush()
+        return {"prompts": self.prompts.accounting(), "buffer": self.buffer.counts(),
+                "manager": self.manager_stats()}

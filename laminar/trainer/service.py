@@ -21,6 +21,7 @@ consecutive updates).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -30,10 +31,10 @@ from typing import Any, Protocol
 
 import torch
 
-from laminar.config import Config
+from laminar.config import Config, RunStopped
 from laminar.metrics import set_aside, summarize
 from laminar.models import load_pretrained
-from laminar.trainer.trainer import Trainer
+from laminar.trainer.trainer import NonFiniteTraining, Trainer
 from laminar.types import Trajectory
 
 
@@ -182,7 +183,28 @@ class TrainerService:
     def train_once(self) -> dict[str, Any]:
         """One global batch: wait for it, train on it, push the new version, log."""
         groups = self.wait_groups(self.cfg.trainer.prompts_per_step)
-        return self._train_and_publish([t for g in groups for t in g])
+        with self._stop_on_divergence():
+            return self._train_and_publish([t for g in groups for t in g])
+
+    @contextlib.contextmanager
+    def _stop_on_divergence(self) -> Any:
+        """`trainer.max_nonfinite_steps` skipped updates in a row (NonFiniteTraining) stop the
+        run with `RunStopped`: a checkpoint of the last good weights when no update of this
+        global batch was applied (the weights then hold exactly the checkpointed lineage),
+        else the newest checkpoint is named."""
+        try:
+            yield
+        except NonFiniteTraining as e:
+            applied = any("loss" in p for p in self.trainer._pending)
+            if applied:
+                newest = newest_checkpoint(self.cfg.resolved_run_dir)
+                where = (f"the newest checkpoint is {newest}" if newest else "no checkpoint was "
+                         "written yet") + (" (updates of this global batch were applied before "
+                                           "the non-finite ones, so no new one is written)")
+            else:
+                where = f"the last good weights are checkpointed in {self.checkpoint()}"
+            raise RunStopped(f"{e}. The run stopped; {where}. Go on with `laminar resume "
+                             f"{self.cfg.resolved_run_dir} trainer.lr=...`") from None
 
     def train_next(self) -> dict[str, Any]:
         """The free-running schedules' update: each mini-batch trained as soon as its groups
@@ -200,7 +222,8 @@ class TrainerService:
             trajs += [t for g in self.wait_groups(n) for t in g]
             taken += n
             wall = time.time()
-            self.trainer.train_minibatch(trajs[-n * self.cfg.rollout.group_size:])
+            with self._stop_on_divergence():
+                self.trainer.train_minibatch(trajs[-n * self.cfg.rollout.group_size:])
             self._span("train", wall)
         return self._train_and_publish(trajs, already_trained=True)
 
@@ -262,7 +285,8 @@ class TrainerService:
                     "traj_id": t.traj_id, "group_id": t.group_id, "version": t.version,
                     "trained_at": self.trainer.version - 1, "staleness": t.staleness,
                     "token_versions": sorted(set(t.token_versions)) if t.token_versions else None,
-                    "reward": round(t.reward, 4), "response_len": len(t.response_ids)}) + "\n")
+                    "reward": round(t.reward, 4), "response_len": len(t.response_ids),
+                    "failed": t.failed}) + "\n")
 
     def checkpoint(self) -> str:
         path = self.cfg.resolved_run_dir / "checkpoints" / f"step_{self.trainer.version:06d}"

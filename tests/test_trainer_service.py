@@ -1,0 +1,64 @@
+"""The trainer service with real pools (no Ray): a diverged run stops with a checkpoint and a
+clear error; a restart rewinds exactly what its checkpoint lacks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from laminar.config import RunStopped, load_config
+from laminar.models import load_policy, save_pretrained
+from laminar.pools.experience import ExperienceBuffer
+from laminar.pools.prompts import PromptPool, PromptSampler
+from laminar.rollout.io import WeightBoard
+from laminar.runtime.local import BoardPush, LocalTrainerData
+from laminar.trainer.service import TrainerService, newest_checkpoint
+from laminar.types import PromptItem, Trajectory
+
+
+def _service(tmp_path, *overrides):
+    cfg = load_config(None, ["model.preset=tiny", "trainer.prompts_per_step=1", "trainer.threads=1",
+                             "rollout.group_size=2", "trainer.max_nonfinite_steps=2",
+                             "trainer.checkpoint_every=2", f"run_dir={tmp_path}", *overrides])
+    save_pretrained(*load_policy(cfg.model), tmp_path / "model")
+    prompts = PromptPool(PromptSampler([PromptItem(0, "ab=", "ba")], lambda s: [1, 2], 2))
+    buffer = ExperienceBuffer(2)
+    return cfg, buffer, TrainerService(cfg, str(tmp_path / "model"),
+                                       LocalTrainerData(prompts, buffer), BoardPush(WeightBoard()))
+
+
+def _group(gid, nan=False):
+    trajs = [Trajectory(f"{gid}/{i}", gid, [1, 5, 6], [7 + i, 8, 2], [-1.0, -1.0, -1.0], 0,
+                        reward=float(i)) for i in range(2)]
+    if nan:
+        trajs[1].logprobs[0] = float("nan")
+    return trajs
+
+
+def test_a_diverged_run_stops_with_a_checkpoint_and_a_clear_error(tmp_path):
+    cfg, buffer, service = _service(tmp_path)
+    buffer.put_many(_group("g0"))
+    service.train_once()
+    for i in range(1, 3):
+        buffer.put_many(_group(f"g{i}", nan=True))
+    service.train_once()  # skipped (1 in a row): the version still advances
+    with pytest.raises(RunStopped) as stopped:
+        service.train_once()  # 2 in a row: stop
+    message = str(stopped.value)
+    assert "2 optimizer updates in a row" in message and "laminar resume" in message
+    ckpt = newest_checkpoint(tmp_path)
+    assert ckpt is not None and str(ckpt) in message  # no update of this batch was applied
+    assert json.loads((ckpt / "trainer_state.json").read_text())["steps"] == service.steps == 2
+    # resuming from it gives back exactly the batch that diverged (taken at its version)
+    assert buffer.rewind(service.trainer.version) == 1
+
+
+def test_the_audit_is_written_before_the_checkpoint_that_holds_it(tmp_path):
+    cfg, buffer, service = _service(tmp_path)
+    for i in range(2):
+        buffer.put_many(_group(f"g{i}"))
+        service.train_once()
+    lines = (tmp_path / "trajectories.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and newest_checkpoint(tmp_path).name == "step_000002"
+    assert buffer.counts()["taken_groups"] == 0  # acknowledged by the checkpoint at 2
