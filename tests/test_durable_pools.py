@@ -187,3 +187,47 @@ def test_the_database_reads_with_the_sqlite_shell_schema(tmp_path):
     buffer.put_many([traj("a", 0)])
     rows = sqlite3.connect(db).execute("SELECT key, value FROM kv WHERE tbl = 'groups'").fetchall()
     assert rows[0][0] == "a" and json.loads(rows[0][1])["state"] == "ready"
+
+
+def _laminar(*args):
+    return subprocess.run([sys.executable, "-m", "laminar.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def _run_dir(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"run_dir: {run}\nsft: {{enabled: false}}\n")
+    return run
+
+
+def test_resume_refuses_a_damaged_pools_db_in_one_line(tmp_path):
+    run = _run_dir(tmp_path)
+    (run / "pools.db").write_bytes(b"garbage" * 1000)
+    done = _laminar("resume", str(run))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "pools.db is not a readable laminar pools database" in done.stderr
+    assert "move it away" in done.stderr
+
+
+def test_resume_refuses_a_damaged_checkpoint_and_names_the_one_before(tmp_path):
+    run = _run_dir(tmp_path)
+    SqliteStore(run / "pools.db").close()
+    for v in (3, 6):
+        ckpt = run / "checkpoints" / f"step_{v:06d}"
+        (ckpt / "model").mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text(json.dumps({"version": v, "steps": v}))
+        for name in ("optimizer.pt", "rng.pt", "model/config.json"):
+            (ckpt / name).write_text("{}")
+        (ckpt / "model" / "model.safetensors").write_bytes(b"\x10\x00")  # cut short by a disk
+    done = _laminar("resume", str(run))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "step_000006 is damaged" in done.stderr and "resumes from step_000003" in done.stderr
+
+
+def test_resume_needs_a_run_directory(tmp_path):
+    done = _laminar("resume", str(tmp_path / "nowhere"))
+    assert done.returncode == 2 and "has no config.yaml" in done.stderr
+    run = _run_dir(tmp_path)
+    done = _laminar("resume", str(run))
+    assert done.returncode == 2 and "it has no pools.db" in done.stderr

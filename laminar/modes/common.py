@@ -13,8 +13,10 @@ def start_weights(cfg: Config) -> tuple[str, int]:
     the job resumes (`resume`), else a checkpoint to start from (`trainer.resume`), else
     `model.path`, else the cached SFT warm start, else a freshly initialised preset."""
     if cfg.resume:
+        from laminar.pools.resume import check_resumable
         from laminar.trainer.service import newest_checkpoint
 
+        check_resumable(cfg)
         ckpt = newest_checkpoint(cfg.resolved_run_dir)
         if ckpt is not None:
             return str(ckpt / "model"), int(json.loads((ckpt / "trainer_state.json").read_text())["version"])

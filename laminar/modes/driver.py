@@ -16,6 +16,7 @@ import numpy as np
 import yaml
 
 from laminar.metrics import MetricsLogger, evenly, read_metrics, read_rows, reward_trend
+from laminar.modes.common import start_step
 from laminar.pools.resume import check_lineage
 from laminar.rollout.evals import EvalJob
 from laminar.rollout.requests import sampling_params
@@ -63,12 +64,13 @@ class Follower:
                 summary.line() if summary else f"model from version {rt.start_version}"))
         elif cfg.trainer.resume:
             self.log_event("resume", f"resumed from {cfg.trainer.resume} at version {rt.start_version}")
-        self.ask_eval(step=rt.start_version, at_least=rt.start_version)
+        self.ask_eval(step=start_step(cfg), at_least=rt.start_version)
 
     # ------------------------------------------------------------------------- evaluation
 
     def ask_eval(self, step: int, at_least: int) -> str:
-        eval_id = f"step{step}"
+        """Evaluate version `at_least` (or newer) as of update `step`; once per version."""
+        eval_id = f"v{at_least}"
         if eval_id not in self.evals_asked:
             job = EvalJob(eval_id, step, at_least, self.rt.task.eval, sampling_params(self.cfg))
             self.evals_asked[eval_id] = (self.rt.request_eval(job), job)
@@ -81,7 +83,7 @@ class Follower:
         if every and time.time() >= self.next_clock_eval:
             self.next_clock_eval += every * max(1, int((time.time() - self.next_clock_eval) // every) + 1)
             if self.version > self.newest_evaluated:  # an evaluation may have run on a newer one
-                self.ask_eval(step=self.version, at_least=self.version)
+                self.ask_eval(step=self.step or 0, at_least=self.version)
 
     def _reassign_evals(self, live: list[str]) -> None:
         """An evaluation whose rollout died or left is asked of another one."""
@@ -92,7 +94,8 @@ class Follower:
 
     def final_eval(self) -> None:
         """The held-out score of the last version; waits for it (and any still running)."""
-        self.ask_eval(step=self.version, at_least=self.version)
+        self.ask_eval(step=self.step if self.step is not None else start_step(self.cfg),
+                      at_least=self.version)
         deadline = time.monotonic() + self.cfg.cluster.wait_timeout_s
         while set(self.evals_asked) - self.evals_done and time.monotonic() < deadline:
             self.rt.idle(0.2)
@@ -162,8 +165,8 @@ class Follower:
                 self.logger.write("span", {"who": "trainer", "what": what, "version": row["version"],
                                            "start": self.logger.since_start(start),
                                            "end": self.logger.since_start(end)})
-            if every and row["version"] % every == 0 and row["version"] < total:
-                self.ask_eval(step=row["version"], at_least=row["version"])
+            if every and self.step % every == 0 and self.step < total:
+                self.ask_eval(step=self.step, at_least=row["version"])
         self.seen += len(rows)
         self._clock_eval()
         return len(rows)

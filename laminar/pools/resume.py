@@ -249,3 +249,63 @@ def _stamp(path: Path) -> str:
     import time
 
     return time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+
+
+def check_resumable(cfg: Any) -> None:
+    """Before anything starts: the run directory has what a resume needs, readable, or a
+    ConfigError says what is wrong and what to do (no traceback from deep in a component)."""
+    from laminar.config import ConfigError
+    from laminar.pools.store import SqliteStore
+    from laminar.trainer.service import newest_checkpoint
+
+    run_dir = cfg.resolved_run_dir
+    if not run_dir.is_dir():
+        raise ConfigError(f"nothing to resume: {run_dir} does not exist (run_dir / name)")
+    if not cfg.durable_pools:
+        raise ConfigError("resume=true needs durable_pools=true: the pools of a run kept in memory "
+                          "died with it (its checkpoints can still start a new run: "
+                          "trainer.resume=RUN_DIR/checkpoints/step_NNNNNN)")
+    if not (run_dir / "pools.db").exists():
+        raise ConfigError(f"nothing to resume in {run_dir}: it has no pools.db (was the run "
+                          "started with durable_pools=false, or is this the wrong directory?)")
+    store = SqliteStore(run_dir / "pools.db")
+    try:
+        for table in ("meta", "leases", "partials", "trajectories", "groups"):
+            store.load(table)
+    finally:
+        store.close()
+    ckpt = newest_checkpoint(run_dir)
+    if ckpt is None:
+        return  # killed before its first checkpoint: the model starts over, the data is kept
+    problem = checkpoint_problem(ckpt)
+    if problem:
+        older = [p.name for p in sorted((run_dir / "checkpoints").glob("step_*"))
+                 if p != ckpt and not p.name.endswith(".tmp")]
+        raise ConfigError(f"the newest checkpoint {ckpt} is damaged ({problem}); move it out of "
+                          f"{run_dir / 'checkpoints'} and resume again"
+                          + (f": the job then resumes from {older[-1]}" if older else
+                             ": the job then resumes from its starting weights"))
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """What is wrong with a checkpoint directory, or None when it looks whole."""
+    try:
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        int(state["version"])
+    except (OSError, ValueError, KeyError) as e:
+        return f"trainer_state.json: {e}"
+    for name in ("optimizer.pt", "rng.pt", "model/config.json"):
+        if not (ckpt / name).is_file():
+            return f"{name} is missing"
+    weights = sorted((ckpt / "model").glob("*.safetensors"))
+    if not weights:
+        return "model/*.safetensors is missing"
+    try:
+        from safetensors import safe_open
+
+        for w in weights:
+            with safe_open(w, framework="pt") as f:
+                f.keys()
+    except Exception as e:  # a truncated or overwritten file: any reader error means damaged
+        return f"{weights[0].name} cannot be read: {e}"
+    return None
