@@ -102,3 +102,23 @@ def test_loop_records_spans_and_pulls():
     pull = next(s for s in spans if s.what == "pull")
     assert pull.version == 2 and pull.end >= pull.start
     assert all(a.end <= b.start + 1e-6 for a, b in zip(spans, spans[1:]))  # ordered, no overlap
+
+
+def test_a_hanging_user_reward_cannot_stall_an_evaluation(tmp_path, monkeypatch):
+    from laminar.tasks.reward_pool import RewardPool
+
+    (tmp_path / "stuck_reward.py").write_text("import time\n\ndef reward(p, r, a):\n"
+                                              "    time.sleep(3600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    world = World("laminar")
+    world.publish(0, seed=0)
+    loop = with_evaluator(world)
+    loop.evaluator.rewards = pool = RewardPool("stuck_reward:reward", 2, timeout_s=1.0, retries=0)
+    try:
+        loop.request_eval(job(world, 0, 0, n=2))
+        results: list = []
+        step_until(loop, lambda: results.extend(loop.take_records()["evals"]) or results)
+    finally:
+        pool.close()
+    [r] = results  # it finished: each call was killed at its timeout and scored 0
+    assert r["greedy_reward"] == 0.0 and r["sampled_reward"] == 0.0 and r["num_prompts"] == 2

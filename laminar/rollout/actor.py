@@ -112,7 +112,7 @@ class RolloutActor:
                        RayBuffer(pools["buffer"]), RelayWeights(relay, cfg.relay))
         task = Task(cfg.task.name, [], [], resolve_reward(cfg.task.reward))
         finisher = Finisher(task, tokenizer, cfg.rollout.env_latency, seed, open_rewards(cfg.task))
-        evaluator = Evaluator.copying(engine, cfg.rollout.engine, tokenizer, task, seed)
+        evaluator = Evaluator.copying(engine, cfg.rollout.engine, tokenizer, task, seed, finisher.rewards)
         self.loop = RolloutLoop(rollout_id, engine, io, policy, finisher, sampling_params(cfg),
                                 cfg.rollout, cfg.cluster.heartbeat_s, evaluator)
         self.stop_event = threading.Event()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from laminar.models.tokenizer import decode_response, encode_prompt
+from laminar.tasks.rewards import exact_match
 from laminar.types import GenerationRequest, PromptItem, SamplingParams
 
 
@@ -48,15 +49,20 @@ class Evaluator:
         self.left = 0
         self.t0 = 0.0
         self.results: list[dict[str, Any]] = []
+        self.rewards: Any = None  # the rollout's reward runner (tasks/reward_pool.py), if any
 
     @classmethod
-    def copying(cls, engine: Any, engine_cfg: Any, tokenizer: Any, task: Any, seed: int) -> "Evaluator":
+    def copying(cls, engine: Any, engine_cfg: Any, tokenizer: Any, task: Any, seed: int,
+                rewards: Any = None) -> "Evaluator":
         """An evaluator whose engine, built on first use, is a copy of `engine` (its model,
-        weights and version at that moment)."""
+        weights and version at that moment). `rewards`: score through the rollout's reward
+        runner (a user's reward in killable processes, with its timeout), not inline."""
         from laminar.engine import build_engine
 
-        return cls(lambda: build_engine(engine_cfg, copy.deepcopy(engine.model), tokenizer.eos_token_id,
-                                        tokenizer.pad_token_id, engine.version, seed), tokenizer, task)
+        evaluator = cls(lambda: build_engine(engine_cfg, copy.deepcopy(engine.model), tokenizer.eos_token_id,
+                                             tokenizer.pad_token_id, engine.version, seed), tokenizer, task)
+        evaluator.rewards = rewards
+        return evaluator
 
     def queue(self, job: EvalJob) -> None:
         self.jobs.append(job)
@@ -110,10 +116,20 @@ class Evaluator:
     def _finish(self) -> None:
         job = self.job
         sums = {"greedy": [0.0, 0.0], "sampled": [0.0, 0.0]}
-        for kind, item, req in self.requests.values():
-            scored = self.task.score(item, decode_response(self.tokenizer, req.output_ids))
-            sums[kind][0] += scored.exact_match
-            sums[kind][1] += scored.reward
+        texts = [(kind, item, decode_response(self.tokenizer, req.output_ids))
+                 for kind, item, req in self.requests.values()]
+        if self.rewards is None:
+            for kind, item, text in texts:
+                scored = self.task.score(item, text)
+                sums[kind][0] += scored.exact_match
+                sums[kind][1] += scored.reward
+        else:  # every call ends within the runner's timeout and retries; a failed one scores 0
+            calls = [self.rewards.submit(item.prompt, text, item.answer) for _, item, text in texts]
+            while not all(c.done for c in calls):
+                time.sleep(0.001)
+            for (kind, item, text), call in zip(texts, calls):
+                sums[kind][0] += exact_match(text, item.answer)
+                sums[kind][1] += 0.0 if call.failed else call.reward
         n = max(1, len(job.items))
         self.results.append({
             "step": job.step, "version": self.engine.version, "eval_id": job.eval_id,

@@ -133,7 +133,8 @@ class LocalRuntime:
                        LocalBuffer(self.buffer), BoardWeights(self.board))
         finisher = Finisher(self.task, self.tokenizer, cfg.rollout.env_latency, seed,
                             open_rewards(cfg.task))
-        evaluator = Evaluator.copying(engine, cfg.rollout.engine, self.tokenizer, self.task, seed)
+        evaluator = Evaluator.copying(engine, cfg.rollout.engine, self.tokenizer, self.task, seed,
+                                      finisher.rewards)
         return RolloutLoop(rollout_id, engine, io, self.policy, finisher, sampling_params(cfg),
                            cfg.rollout, cfg.cluster.heartbeat_s, evaluator)
 
