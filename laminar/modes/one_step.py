@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from laminar.config import Config
-from laminar.modes.common import start_step
+from laminar.modes.common import resume_global_batches, start_step
 from laminar.modes.driver import Follower, finish
 from laminar.modes.sync import GlobalBatch
 
@@ -24,7 +24,8 @@ def run(rt: Any) -> dict[str, Any]:
     follower = Follower(rt)
     B, total = rt.cfg.trainer.prompts_per_step, rt.cfg.trainer.total_steps
     step = start_step(rt.cfg)
-    rt.wait(rt.generate(B), "generation")                                  # batch 0 with v0
+    step, carried = resume_global_batches(rt, follower, step)
+    rt.wait(rt.generate(max(0, B - carried)), "generation")                # batch 0 with v0
     while step < total:
         nxt = rt.generate(B) if step + 1 < total else None                 # batch i+1 with v_i
         row = follower.follow(lambda: rt.train("train_once"))              # ... while training i

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from laminar.config import Config
-from laminar.modes.common import start_step
+from laminar.modes.common import resume_global_batches, start_step
 from laminar.modes.driver import Follower, finish
 from laminar.modes.sync import GlobalBatch
 
@@ -26,7 +26,8 @@ def run(rt: Any) -> dict[str, Any]:
     follower = Follower(rt)
     B, total = rt.cfg.trainer.prompts_per_step, rt.cfg.trainer.total_steps
     step, version, first = start_step(rt.cfg), rt.start_version, True
-    gen = rt.generate(B)                                              # batch i with v_{i-1}
+    step, carried = resume_global_batches(rt, follower, step)
+    gen = rt.generate(max(0, B - carried))                            # batch i with v_{i-1}
     while step < total:
         training = rt.train("train_streaming")                        # consumes batch i as it lands
         rt.wait(gen, "generation")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from laminar.config import Config
-from laminar.modes.common import start_step
+from laminar.modes.common import resume_global_batches, start_step
 from laminar.modes.driver import Follower, finish
 from laminar.rollout.policy import Decision, LoopState
 
@@ -25,6 +25,7 @@ class GlobalBatch:
     mixes_versions = False  # a trajectory is generated start to finish by one version
     repacks = False  # a batch is never split across versions, so there is nothing to repack
     max_outstanding: int | None = None  # the driver deals out exactly one batch at a time
+    defers_resumed = True  # a resumed job's in-flight work waits for its batch's weights
 
     def decide(self, s: LoopState) -> Decision:
         if s.sync_ready:  # the global sync's version is here: load it (between batches: idle)
@@ -39,8 +40,11 @@ def policy(cfg: Config) -> GlobalBatch:
 def run(rt: Any) -> dict[str, Any]:
     follower = Follower(rt)
     step, total = start_step(rt.cfg), rt.cfg.trainer.total_steps
+    B = rt.cfg.trainer.prompts_per_step
+    step, carried = resume_global_batches(rt, follower, step)  # a resumed job's batch in progress
     while step < total:
-        rt.wait(rt.generate(rt.cfg.trainer.prompts_per_step), "generation")  # all rollouts, v
+        rt.wait(rt.generate(max(0, B - carried)), "generation")              # all rollouts, v
+        carried = 0
         row = follower.follow(lambda: rt.train("train_once"))               # trainer: v -> v+1
         step = row["step"]
         rt.sync_weights(row["version"])                                      # everyone loads v+1

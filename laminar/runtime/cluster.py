@@ -116,8 +116,8 @@ class ClusterRuntime:
         self.wait_all({f"rollout worker {w}": h.snapshot.remote() for w, h in self.workers.items()}
                       | {"trainer": self.trainer.metrics_since.remote(0),
                          "rollout manager": self.manager.stats.remote()})
-        if cfg.resume:
-            self._hand_out_resumed()
+        if cfg.resume and not getattr(self.policy, "defers_resumed", False):
+            self.hand_out_resumed()
         self.started_at = time.time()  # the driver's rows count from here
         self.wait_all({f"start of {w}": h.start.remote() for w, h in self.workers.items()})
         self.manager_loop = self.manager.run_loop.remote()
@@ -165,15 +165,18 @@ class ClusterRuntime:
         path.write_text(json.dumps({"job": self.job, "shm_dir": self.cfg.relay.shm_dir,
                                     "pid": os.getpid()}))
 
-    def _hand_out_resumed(self) -> None:
+    def hand_out_resumed(self, started: bool | None = None) -> None:
         """The killed job's in-flight trajectories (owned by `RESUMED` after the
-        reconciliation) go to the rollouts, dealt out evenly, before their loops start: each
-        continues from its streamed tokens (or from its prompt, when reset)."""
+        reconciliation) go to the live rollouts, dealt out evenly: each continues from its
+        streamed tokens (or from its prompt, when reset). Free-running schedules: before the
+        loops start; global-batch ones when their driver says (`resume_global_batches`)."""
         from laminar.pools.resume import RESUMED
         from laminar.types import Unfinished
 
         entries = ray.get(self.pools["partials"].owned_by.remote(RESUMED))
-        ids = sorted(self.workers)
+        if started is not None:  # only those with (True) or without (False) streamed tokens
+            entries = [e for e in entries if bool(e.request.output_ids) == started]
+        ids = sorted(self._live())
         for i, wid in enumerate(ids):
             mine = [Unfinished(e.request, e.group) for e in entries[i::len(ids)]]
             if not mine:
@@ -279,6 +282,15 @@ class ClusterRuntime:
         workers = list(self._live().values())
         share = [num_groups // len(workers) + (i < num_groups % len(workers)) for i in range(len(workers))]
         return [w.generate_groups.remote(n) for w, n in zip(workers, share) if n]
+
+    def ready_groups(self) -> int:
+        return ray.get(self.pools["buffer"].counts.remote(), timeout=60)["ready_groups"]
+
+    def untrained_groups(self) -> int:
+        """Groups leased or complete that the trainer has not taken: after a resume, the batch
+        the killed job was generating (a global-batch schedule generates only the rest)."""
+        acct = ray.get(self.pools["prompts"].accounting.remote(), timeout=60)
+        return acct["leased"] + acct["completed"] - acct["consumed"]
 
     def sync_weights(self, version: int) -> None:
         """Every rollout gets to `version` before anyone goes on (its policy says what becomes

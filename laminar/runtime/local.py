@@ -109,13 +109,8 @@ class LocalRuntime:
                                       BoardPush(self.board))
         self.loops = [self._loop(f"rollout{i}", model if i == 0 else None)
                       for i in range(cfg.rollout.num_workers)]
-        if cfg.resume:  # the killed job's in-flight trajectories, dealt out evenly
-            entries = self.partials.owned_by(RESUMED)
-            for i, loop in enumerate(self.loops):
-                mine = [Unfinished(e.request, e.group) for e in entries[i::len(self.loops)]]
-                if mine and loop.adopt(mine):
-                    self.partials.reassign([m.request.request_id for m in mine], loop.id,
-                                           [m.request for m in mine])
+        if cfg.resume and not getattr(self.policy, "defers_resumed", False):
+            self.hand_out_resumed()
         self.eval_turn = -1
         print(f"{cfg.mode} mode in one process: {cfg.trainer.total_steps} steps x "
               f"{cfg.trainer.prompts_per_step} prompts x {cfg.rollout.group_size} samples")
@@ -159,6 +154,28 @@ class LocalRuntime:
             loop.request_groups(num_groups // n + (i < num_groups % n))
         self._pump(lambda: all(loop.batch_done for loop in self.loops), "generation")
         return Done(num_groups)
+
+    def hand_out_resumed(self, started: bool | None = None) -> None:
+        """The killed job's in-flight trajectories, dealt out evenly (see ClusterRuntime)."""
+        entries = self.partials.owned_by(RESUMED)
+        if started is not None:  # only those with (True) or without (False) streamed tokens
+            entries = [e for e in entries if bool(e.request.output_ids) == started]
+        for i, loop in enumerate(self.loops):
+            mine = [Unfinished(e.request, e.group) for e in entries[i::len(self.loops)]]
+            if mine and not loop.adopt(mine):
+                raise RuntimeError(f"{loop.id} refused the resumed trajectories (version "
+                                   "mismatch); this is a bug: please report it")
+            if mine:
+                self.partials.reassign([m.request.request_id for m in mine], loop.id,
+                                       [m.request for m in mine])
+
+    def ready_groups(self) -> int:
+        return self.buffer.num_ready()
+
+    def untrained_groups(self) -> int:
+        """Groups leased or complete that the trainer has not taken (see ClusterRuntime)."""
+        acct = self.prompts.accounting()
+        return acct["leased"] + acct["completed"] - acct["consumed"]
 
     def sync_weights(self, version: int) -> None:
         for loop in self.loops:
