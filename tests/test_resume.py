@@ -95,6 +95,8 @@ def test_a_job_killed_three_times_resumes_and_trains_every_group_exactly_once(tm
     acct = report["prompts"]
     assert acct["issued"] == acct["leased"] + acct["returned"] + acct["completed"]
     assert acct["consumed"] == cfg_steps * per_step
+    bal = report["balance"]  # every group handed out is trained, in flight or pending
+    assert bal["issued"] == bal["trained"] + bal["in_flight"] + bal["pending"]
     # the killed jobs' relays left shared memory behind; the next job removed it
     shm = JOB.get("relay", {}).get("shm_dir", "/dev/shm")
     assert not [p for p in os.listdir(shm) if any(p.startswith(f"lam-{j}-") for j in jobs)]

@@ -300,6 +300,11 @@ def finish(rt: Any, follower: Follower) -> dict[str, Any]:
     once = check_lineage(cfg.resolved_run_dir, cfg.rollout.group_size,
                          None if follower.step is None else follower.step * cfg.trainer.prompts_per_step)
     report["exactly_once"] = once.to_dict()
+    acct = report["prompts"]  # every group handed out is trained, in flight or pending
+    report["balance"] = {"issued": acct["issued"], "trained": acct["consumed"],
+                         "in_flight": acct["leased"],
+                         "pending": acct["returned"] + acct["completed"] - acct["consumed"],
+                         "failed_trajectories": once.failed}
     if not once.ok:
         follower.log_event("exactly_once_failed", once.line())
     follower.close()

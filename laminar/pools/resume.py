@@ -139,6 +139,7 @@ class LineageReport:
     incomplete: list[str]  # groups with fewer samples than group_size in the lineage
     restarts: int  # trainer restarts and job resumes
     expected_groups: int | None  # steps x prompts_per_step, when known
+    failed: int = 0  # trajectories in the lineage whose reward failed (left out of their update)
 
     @property
     def ok(self) -> bool:
@@ -199,7 +200,8 @@ def check_lineage(run_dir: str | Path, group_size: int, expected_groups: int | N
         groups=len(per_group), trajectories=len(per_traj),
         duplicates=sorted(t for t, n in per_traj.items() if n > 1),
         incomplete=sorted(g for g, n in per_group.items() if n != group_size),
-        restarts=marks, expected_groups=expected_groups)
+        restarts=marks, expected_groups=expected_groups,
+        failed=sum(1 for t in kept if t.get("failed")))
 
 
 # ---------------------------------------------------------------------------------------------
