@@ -8,15 +8,14 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import yaml
 
+from laminar.bench.faults import kill_tree
 from laminar.pools.resume import check_lineage
 
 JOB = {
@@ -43,16 +42,9 @@ def _step_rows(run_dir: Path) -> int:
 
 def _kill_job(proc: subprocess.Popen) -> int:
     """SIGKILL the driver and every process under it; returns how many."""
-    root = psutil.Process(proc.pid)
-    victims = [root, *root.children(recursive=True)]
-    for p in victims:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(victims, timeout=30)
+    n = kill_tree(proc.pid)
     proc.wait(timeout=30)
-    return len(victims)
+    return n
 
 
 def test_a_job_killed_three_times_resumes_and_trains_every_group_exactly_once(tmp_path):

@@ -122,18 +122,25 @@ class Job:
         return self.proc is not None and self.proc.poll() is None
 
     def kill_all(self) -> int:
-        import psutil
-
-        root = psutil.Process(self.proc.pid)
-        victims = [root, *root.children(recursive=True)]
-        for p in victims:
-            try:
-                p.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(victims, timeout=30)
+        n = kill_tree(self.proc.pid)
         self.proc.wait(timeout=30)
-        return len(victims)
+        return n
+
+
+def kill_tree(pid: int) -> int:
+    """SIGKILL a process and every process under it (a job: the driver, Ray's processes, the
+    actors); waits until they are gone; returns how many there were."""
+    import psutil
+
+    root = psutil.Process(pid)
+    victims = [root, *root.children(recursive=True)]
+    for p in victims:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=30)
+    return len(victims)
 
 
 def run_clean(run_dir: Path, config: Path, log: Path) -> dict[str, Any]:
