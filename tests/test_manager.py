@@ -304,3 +304,30 @@ def test_recreate_on_its_own_node_first_and_incarnation_ids():
     assert recreate_on("n1", ["n1"], failed=frozenset({"n1"})) == "n1"  # nowhere else to go
     assert recreate_on("n1", []) is None
     assert [incarnation("rollout0", n) for n in range(3)] == ["rollout0", "rollout0.1", "rollout0.2"]
+
+
+def test_the_health_loop_outlives_a_failing_check():
+    import threading
+
+    class Flaky(Fleet):
+        def __init__(self, snaps):
+            super().__init__(snaps)
+            self.failures = 2
+
+        def snapshots(self, ids, timeout_s):
+            if self.failures:  # e.g. a pool call that timed out
+                self.failures -= 1
+                raise TimeoutError("the prompt pool did not answer")
+            return super().snapshots(ids, timeout_s)
+
+    cfg = load_config(None, ["manager.interval_s=0.01"])
+    m = manager(Flaky({"r0": snap("r0")}), Pools(), repack=False, cfg=cfg)
+    stop = threading.Event()
+    loop = threading.Thread(target=m.run, args=(stop,))
+    loop.start()
+    deadline = time.monotonic() + 10
+    while m.counters["checks"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    loop.join(timeout=10)
+    assert m.counters["check_errors"] == 2 and m.counters["checks"] >= 3

@@ -110,7 +110,8 @@ class RolloutManager:
         self.counters = {"checks": 0, "repacks": 0, "moved_trajectories": 0, "repack_s": 0.0,
                          "refused_moves": 0, "dead_workers": 0, "failover_trajectories": 0,
                          "restarted_trajectories": 0, "returned_groups": 0, "retired_workers": 0,
-                         "dead_relays": 0, "recreated_workers": 0, "recreate_failures": 0}
+                         "dead_relays": 0, "recreated_workers": 0, "recreate_failures": 0,
+                         "check_errors": 0}
         self.dead: list[str] = []
         self.slot = {r: r for r in rollout_relay}  # live rollout -> its slot (first incarnation's id)
         self.recreates: dict[str, int] = {}  # slot -> re-creations started so far
@@ -124,10 +125,15 @@ class RolloutManager:
         `stop` is set."""
         next_relays = time.monotonic()
         while not stop.wait(self.cfg.manager.interval_s):
-            self.check_once()
-            if self.relays is not None and time.monotonic() >= next_relays:
-                next_relays = time.monotonic() + self.cfg.relay.heartbeat_s
-                self.check_relays()
+            try:
+                self.check_once()
+                if self.relays is not None and time.monotonic() >= next_relays:
+                    next_relays = time.monotonic() + self.cfg.relay.heartbeat_s
+                    self.check_relays()
+            except Exception:  # a pool call that timed out, a rollout that vanished mid-call:
+                # the health loop must outlive it (it is the job's only failure detector)
+                self.counters["check_errors"] += 1
+                log.exception("rollout manager: a health check failed; the next one goes on")
         return self.stats()
 
     def stats(self) -> dict[str, Any]:

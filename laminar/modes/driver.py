@@ -312,8 +312,8 @@ def finish(rt: Any, follower: Follower) -> dict[str, Any]:
     report |= {"reward_first": first, "reward_last": last}
     evals = read_rows(cfg.resolved_run_dir, "eval")
     heldout = ""
-    if evals:
-        a, b = evals[0], evals[-1]
+    if evals:  # the first asked, and the newest version's (evaluations may arrive out of order)
+        a, b = evals[0], max(evals, key=lambda e: e["version"])
         report |= {"heldout_first": a, "heldout_last": b}
         heldout = (f"held-out greedy exact match {a['greedy_exact_match']:.2f} (version {a['version']}) "
                    f"-> {b['greedy_exact_match']:.2f} (version {b['version']}), sampled "
