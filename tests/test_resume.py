@@ -23,7 +23,10 @@ JOB = {
     "sft": {"enabled": False},
     "task": {"reverse": {"max_len": 12}, "eval_prompts": 8},
     "rollout": {"max_new_tokens": 13, "group_size": 2, "num_workers": 2, "batch_groups": 2,
-                "engine": {"max_batch_size": 8}, "max_outstanding_batches": 2},
+                "engine": {"max_batch_size": 8}, "max_outstanding_batches": 2,
+                # tool calls of ~0.2 s: an update takes a few tenths of a second even on an idle
+                # machine, so a kill lands mid-run and not after the end
+                "env_latency": {"enabled": True, "median_s": 0.2, "sigma": 0.5, "max_s": 1.0}},
     "cluster": {"virtual_nodes": 2, "wait_timeout_s": 120, "heartbeat_s": 1.0, "num_cpus": 4},
     "manager": {"interval_s": 0.2},
     "trainer": {"prompts_per_step": 4, "threads": 1, "total_steps": 30, "checkpoint_every": 3,
@@ -66,7 +69,7 @@ def test_a_job_killed_three_times_resumes_and_trains_every_group_exactly_once(tm
                 (tmp_path / f"round{round_}.log").read_text()[-3000:]
             assert time.monotonic() < deadline, f"round {round_} made no progress"
             time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 1.0))  # anywhere in the next update: mid-step, mid-push
+        time.sleep(rng.uniform(0.0, 0.5))  # anywhere in the next update: mid-step, mid-push
         jobs.append(json.loads((run_dir / "job.json").read_text())["job"])
         kills.append((_step_rows(run_dir), _kill_job(proc)))
         assert all(n > 5 for _, n in kills)  # the driver, Ray's processes and the actors
