@@ -53,7 +53,7 @@ WORKLOAD: dict[str, Any] = {  # laminar mode, 4 rollouts on two virtual nodes, h
     "cluster": {"virtual_nodes": 2, "wait_timeout_s": 180, "heartbeat_s": 1.0},
     "manager": {"interval_s": 0.2},
     "relay": {"heartbeat_s": 0.2, "timeout_s": 2.0},
-    "trainer": {"prompts_per_step": 8, "threads": 1, "total_steps": 60, "checkpoint_every": 5,
+    "trainer": {"prompts_per_step": 8, "threads": 1, "total_steps": 150, "checkpoint_every": 5,
                 "eval_every": 0},
     "metrics": {"live": False},
 }

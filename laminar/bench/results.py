@@ -5,7 +5,7 @@
 
 Each JSON that carries a `provenance` key (see provenance.py) becomes a row: its headline
 figure, the command that wrote it, commit, date and machine. The headline is picked by the keys
-the JSON has — engine, relay, simulator grid or bench modes — and quotes the numbers their docs
+the JSON has — engine, relay, simulator grid, bench modes or bench faults — and quotes the numbers their docs
 quote. JSONs without provenance are listed by file name under "older results".
 """
 
@@ -62,7 +62,18 @@ def headline(data: dict[str, Any]) -> str:
         return _simulator(data["fidelity"])
     if "ratio_laminar_vs" in data:
         return _modes(data)
+    if "throughput_ratio_faulty_vs_clean" in data:
+        return _faults(data)
     return "—"
+
+
+def _faults(d: dict[str, Any]) -> str:
+    rec = ", ".join(f"{kind} {v['median']:.2f} s" for kind, v in d["recovery_s_by_kind"].items())
+    chain = d.get("chain_repair_s") or {}
+    return (f"lost {d['trajectories_lost']}, duplicated {d['trajectories_duplicated']}; recovery "
+            f"(median) {rec}; chain repair max {chain.get('max', float('nan')):.3f} s; faulty/clean "
+            f"throughput {d['throughput_ratio_faulty_vs_clean']:.2f} "
+            f"({d['throughput_ratio_without_job_restart']:.2f} without the whole-job restart)")
 
 
 def _engine(d: dict[str, Any]) -> str:
