@@ -231,3 +231,16 @@ def test_resume_needs_a_run_directory(tmp_path):
     run = _run_dir(tmp_path)
     done = _laminar("resume", str(run))
     assert done.returncode == 2 and "it has no pools.db" in done.stderr
+
+
+def test_reconcile_keeps_mixed_version_tokens_for_partial_rollout(tmp_path):
+    db = tmp_path / "pools.db"
+    prompts, partials, _ = pools(db)
+    g = prompts.lease("rollout0", 1, now=0.0)[0]
+    partials.register_many("rollout0", [(g, group_requests(g, SamplingParams(max_new_tokens=8)))])
+    partials.update("rollout0", [TokenUpdate(f"{g.group_id}/0", [7, 8], [-1.0, -1.0], [3, 4])])
+    partials.flush()
+    summary = reconcile(SqliteStore(db), checkpoint_version=2, rollout_version=2, mixes_versions=True)
+    assert (summary.continued, summary.regenerated) == (1, 0)
+    entry = PartialPool(str(db), restore=True).entries[f"{g.group_id}/0"]
+    assert entry.request.output_ids == [7, 8] and entry.request.token_versions == [3, 4]

@@ -24,6 +24,7 @@ JOB = {
     "task": {"reverse": {"max_len": 12}, "eval_prompts": 8},
     "rollout": {"max_new_tokens": 13, "group_size": 2, "num_workers": 2, "batch_groups": 2,
                 "engine": {"max_batch_size": 8}, "max_outstanding_batches": 2,
+                "stream_every": 4, "stream_interval_s": 0.05,  # in-flight tokens on record
                 # tool calls of ~0.2 s: an update takes a few tenths of a second even on an idle
                 # machine, so a kill lands mid-run and not after the end
                 "env_latency": {"enabled": True, "median_s": 0.2, "sigma": 0.5, "max_s": 1.0}},
@@ -79,6 +80,7 @@ def test_a_job_killed_three_times_resumes_and_trains_every_group_exactly_once(tm
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert out.count("resume: model from version") == 1 and "exactly-once check: passed" in out
+    print(next(line for line in out.splitlines() if line.startswith("resume: ")))
 
     report = json.loads((run_dir / "report.json").read_text())
     cfg_steps, per_step = JOB["trainer"]["total_steps"], JOB["trainer"]["prompts_per_step"]

@@ -64,9 +64,12 @@ class ResumeSummary:
                 f"{self.position.get('position', 0)}")
 
 
-def reconcile(store: Store, checkpoint_version: int | None, rollout_version: int) -> ResumeSummary:
+def reconcile(store: Store, checkpoint_version: int | None, rollout_version: int,
+              mixes_versions: bool = False) -> ResumeSummary:
     """Make the stored pools of a killed job consistent for a resume from the checkpoint at
-    `checkpoint_version`, with rollouts starting on `rollout_version`. Writes and commits."""
+    `checkpoint_version`, with rollouts starting on `rollout_version`. `mixes_versions` (the
+    partial-rollout schedule): a trajectory's tokens of any version go on (each keeps the
+    version and log-prob that made it, as after any swap). Writes and commits."""
     summary = ResumeSummary(checkpoint_version)
     groups = store.load("groups")
     trajs = store.load("trajectories")
@@ -95,7 +98,7 @@ def reconcile(store: Store, checkpoint_version: int | None, rollout_version: int
             continue
         req = row["request"]
         versions = set(req["token_versions"])
-        if versions and versions != {rollout_version}:  # made by weights that are gone
+        if versions and versions != {rollout_version} and not mixes_versions:  # weights gone
             req.update(output_ids=[], logprobs=[], token_versions=[], version=None)
             summary.regenerated += 1
         elif versions:
@@ -208,8 +211,8 @@ def check_lineage(run_dir: str | Path, group_size: int, expected_groups: int | N
 # The run directory
 
 
-def prepare_pools(cfg: Any, checkpoint_version: int | None,
-                  rollout_version: int) -> tuple[str | None, ResumeSummary | None]:
+def prepare_pools(cfg: Any, checkpoint_version: int | None, rollout_version: int,
+                  mixes_versions: bool = False) -> tuple[str | None, ResumeSummary | None]:
     """Where the pools of this run live (None: in memory) and, when resuming, what the
     reconciliation did. A fresh run sets an earlier run's pools, checkpoints and published
     version aside (name.<time>), so nothing of it is resumed or restarted from by mistake."""
@@ -241,7 +244,7 @@ def prepare_pools(cfg: Any, checkpoint_version: int | None,
                           "with durable_pools=false, or is this the wrong directory?)")
     store = SqliteStore(path)
     try:
-        summary = reconcile(store, checkpoint_version, rollout_version)
+        summary = reconcile(store, checkpoint_version, rollout_version, mixes_versions)
     finally:
         store.close()
     return str(path), summary

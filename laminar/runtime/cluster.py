@@ -129,7 +129,8 @@ class ClusterRuntime:
         from laminar.trainer.service import newest_checkpoint
 
         ckpt = newest_checkpoint(self.cfg.resolved_run_dir) if self.cfg.resume else None
-        db, summary = prepare_pools(self.cfg, self.start_version if ckpt else None, self.start_version)
+        db, summary = prepare_pools(self.cfg, self.start_version if ckpt else None, self.start_version,
+                                    self.policy.mixes_versions)
         if summary is not None:
             print(f"resume: {summary.line()}", flush=True)
         self._claim_run_dir()

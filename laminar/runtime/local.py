@@ -97,7 +97,8 @@ class LocalRuntime:
         sampler = PromptSampler(self.task.train, partial(encode_prompt, self.tokenizer),
                                 cfg.rollout.group_size, seed=cfg.task.seed)
         db, summary = prepare_pools(cfg, self.start_version if newest_checkpoint(cfg.resolved_run_dir)
-                                    and cfg.resume else None, self.start_version)
+                                    and cfg.resume else None, self.start_version,
+                                    self.policy.mixes_versions)
         if summary is not None:
             print(f"resume: {summary.line()}", flush=True)
         self.prompts = PromptPool(sampler, 2 * cfg.cluster.wait_timeout_s, self.policy.max_outstanding,
