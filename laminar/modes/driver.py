@@ -89,8 +89,9 @@ class Follower:
         """An evaluation whose rollout died or left is asked of another one."""
         for eval_id, (wid, job) in list(self.evals_asked.items()):
             if eval_id not in self.evals_done and wid not in live:
-                self.evals_asked[eval_id] = (self.rt.request_eval(job), job)
-                self.log_event("eval_moved", f"held-out evaluation {eval_id} moved from {wid}")
+                self.evals_asked[eval_id] = (new := self.rt.request_eval(job), job)
+                if wid is not None and new is not None:
+                    self.log_event("eval_moved", f"held-out evaluation {eval_id} moved from {wid}")
 
     def final_eval(self) -> None:
         """The held-out score of the last version; waits for it (and any still running)."""

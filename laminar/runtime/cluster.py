@@ -367,9 +367,12 @@ class ClusterRuntime:
                     pass
         return out
 
-    def request_eval(self, job: Any) -> str:
-        """A held-out evaluation by the next live rollout in turn; returns its id."""
+    def request_eval(self, job: Any) -> str | None:
+        """A held-out evaluation by the next live rollout in turn; returns its id (None while
+        no rollout is alive: the driver asks again once one is)."""
         live = sorted(self._live())
+        if not live:
+            return None
         self.eval_turn += 1
         wid = live[self.eval_turn % len(live)]
         self.workers[wid].request_eval.remote(job)
