@@ -85,7 +85,9 @@ class TaskConfig(Section):
                                        description="Settings of the built-in reverse task.")
     dataset: DatasetConfig | None = Field(None, description="Your own data; needed by name=dataset.")
     reward: str | None = Field(
-        None, description="Reward function as a dotted path `package.module:function` with the "
+        None, description="Reward function as a dotted path `package.module:function`, or a file "
+        "`my_reward.py:function` (relative to the config file's folder; on the command line, to "
+        "the current one), with the "
         "signature fn(prompt: str, response: str, answer: str) -> float in [0, 1]. Default: the "
         "task's own reward (similarity to the answer).")
     reward_isolation: Literal["auto", "process", "inline"] = Field(
@@ -386,12 +388,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file '{path}' must hold a mapping of keys, "
                               f"not a {type(loaded).__name__}")
         data = loaded or {}
+        _anchor_files(data, path.parent)  # file paths in the YAML: relative to the YAML
     for item in overrides:
         apply_override(data, item)
+    _anchor_files(data, Path.cwd())  # those given on the command line: relative to here
     try:
         return Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, source=str(path) if path else "defaults")) from None
+
+
+def _anchor_files(data: dict[str, Any], base: Path) -> None:
+    """`task.reward: my_reward.py:score` names a file; make a relative one absolute against
+    `base` (the config file's folder), so `laminar train my_job.yaml` runs from any folder and
+    the run's saved config.yaml (which `laminar resume` reads) still finds it."""
+    task = data.get("task")
+    reward = task.get("reward") if isinstance(task, dict) else None
+    if isinstance(reward, str):
+        module, sep, attr = reward.rpartition(":")
+        if sep and module.endswith(".py") and not Path(module).is_absolute():
+            task["reward"] = f"{(base / module).resolve()}:{attr}"
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:

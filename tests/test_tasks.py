@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -114,3 +115,35 @@ def test_a_failing_reward_scores_zero_with_an_error():
     assert score(broken, "p", "r", "a") == (0.0, "RuntimeError: sandbox flaked")
     assert score(lambda p, r, a: float("nan"), "p", "r", "a")[1] == "reward is not finite: nan"
     assert score(lambda p, r, a: 0.5, "p", "r", "a") == (0.5, None)
+
+
+def test_a_reward_file_beside_the_config_is_found_from_any_folder(tmp_path, monkeypatch):
+    from laminar.config import ConfigError, load_config
+    from laminar.tasks.reward_pool import RewardPool
+    from laminar.tasks.rewards import resolve_reward
+
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "my_reward.py").write_text("def score(prompt, response, answer):\n"
+                                      "    return 1.0 if response == answer else 0.25\n")
+    (job / "job.yaml").write_text("task:\n  reward: my_reward.py:score\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(job / "job.yaml")
+    assert cfg.task.reward == f"{job / 'my_reward.py'}:score"  # absolute: resume finds it too
+    assert resolve_reward(cfg.task.reward)("p", "ab", "ab") == 1.0
+    pool = RewardPool(cfg.task.reward, 1, timeout_s=30.0, retries=0)  # a fresh interpreter
+    try:
+        call = pool.submit("p", "ab", "ba")
+        deadline = time.monotonic() + 60
+        while not call.done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert call.done and call.failed is None and call.reward == 0.25
+    finally:
+        pool.close()
+    (elsewhere / "other.py").write_text("def score(p, r, a):\n    return 0.5\n")
+    cfg = load_config(job / "job.yaml", ["task.reward=other.py:score"])  # relative to here
+    assert resolve_reward(cfg.task.reward)("p", "r", "a") == 0.5
+    with pytest.raises(ConfigError, match="no file"):
+        resolve_reward(f"{job / 'missing.py'}:score")

@@ -16,6 +16,7 @@ import importlib
 import inspect
 import math
 from collections.abc import Callable
+from typing import Any
 
 from laminar.config import ConfigError
 
@@ -61,15 +62,19 @@ def resolve_reward(path: str | None) -> RewardFn:
     """`package.module:function` -> the function, checked against the contract."""
     if path is None:
         return similarity_reward
-    module_name, sep, attr = path.partition(":")
+    module_name, sep, attr = path.rpartition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"task.reward='{path}' is not a dotted path of the form "
-                          "package.module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"task.reward='{path}': cannot import module '{module_name}' ({e}); "
-                          "is it installed or on PYTHONPATH?") from None
+        raise ConfigError(f"task.reward='{path}' is not of the form package.module:function or "
+                          "my_reward.py:function")
+    if module_name.endswith(".py"):
+        module = _module_from_file(path, module_name)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ConfigError(f"task.reward='{path}': cannot import module '{module_name}' ({e}); "
+                              "is it installed or on PYTHONPATH? (a file beside your config: "
+                              "task.reward: my_reward.py:function)") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"task.reward='{path}': module '{module_name}' has no function '{attr}'")
@@ -112,3 +117,28 @@ def score(fn: RewardFn, prompt: str, response: str, answer: str) -> tuple[float,
     scores 0 with an error."""
     value, _, error = call_reward(fn, prompt, response, answer)
     return value, error
+
+
+def _module_from_file(path: str, file: str) -> Any:
+    """Import `file` (a .py path) as a module of its own, once per process."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    where = Path(file).resolve()
+    if not where.is_file():
+        raise ConfigError(f"task.reward='{path}': no file {where}; give a path relative to the "
+                          "config file (or absolute)")
+    name = f"laminar_user_{where.stem}_{abs(hash(str(where))) % 10**8}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, where)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(where.parent))  # its own imports of files beside it
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise ConfigError(f"task.reward='{path}': importing {where} failed: "
+                          f"{type(e).__name__}: {e}") from None
+    sys.modules[name] = module
+    return module
