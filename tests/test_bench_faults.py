@@ -27,3 +27,17 @@ def test_the_results_index_quotes_the_fault_headline():
             "recovery_s_by_kind": {"rollout": {"median": 4.3}}, "chain_repair_s": {"max": 0.039}}
     text = headline(data)
     assert "lost 0, duplicated 0" in text and "rollout 4.30 s" in text and "0.84" in text
+
+
+def test_the_watcher_reads_only_complete_new_rows(tmp_path):
+    from laminar.bench.faults import Job
+
+    job = Job(tmp_path, tmp_path / "log")
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "step"}\n{"kind": "ev')  # the second row half-written
+    job.watch()
+    assert job.steps() == 1
+    with path.open("a") as f:
+        f.write('ent"}\n{"kind": "step"}\n')
+    job.watch()
+    assert [r["kind"] for _, r in job.arrivals] == ["step", "event", "step"] and job.steps() == 2

@@ -85,7 +85,7 @@ class Job:
     def __init__(self, run_dir: Path, log: Path) -> None:
         self.run_dir, self.log = run_dir, log
         self.proc: subprocess.Popen | None = None
-        self.lines_seen = 0
+        self.offset = 0  # bytes of metrics.jsonl read so far
         self.arrivals: list[tuple[float, dict[str, Any]]] = []  # (unix time seen, metrics row)
 
     def start(self, args: list[str]) -> None:
@@ -96,18 +96,19 @@ class Job:
                                      stderr=subprocess.STDOUT, env=env)
 
     def watch(self) -> None:
-        """Stamp new metrics rows with the time they appeared."""
+        """Stamp the metrics rows appended since the last call with the time they appeared
+        (reads only the new bytes; a half-written last line waits for the next call)."""
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return
-        lines = path.read_text().splitlines()
+        with path.open("rb") as f:
+            f.seek(self.offset)
+            new = f.read()
         now = time.time()
-        for raw in lines[self.lines_seen:]:
-            try:
-                self.arrivals.append((now, json.loads(raw)))
-            except json.JSONDecodeError:
-                return  # half a line: read it next time
-            self.lines_seen += 1
+        complete = new[:new.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for raw in complete.splitlines():
+            self.arrivals.append((now, json.loads(raw)))
 
     def steps(self) -> int:
         return sum(r.get("kind") == "step" for _, r in self.arrivals)

@@ -58,8 +58,6 @@ class PartialPool:
     def _maybe_commit(self) -> None:
         """Write the entries that changed, when the store's batch interval has passed."""
         store = self.store
-        if getattr(store, "commit_interval_s", None) is None:
-            return  # memory: nothing to write
         if self.dirty and time.monotonic() - store.last_commit >= store.commit_interval_s:
             for tid in self.dirty:
                 if tid in self.entries:

@@ -123,6 +123,11 @@ class PromptPool:
         """Groups handed out (or due to be) that the trainer has not consumed yet."""
         return len(self.leases) + len(self.returned) + len(self.completed) - self.consumed
 
+    def untrained(self) -> int:
+        """Groups leased or complete that the trainer has not taken (`outstanding` less those
+        waiting to be issued again): after a resume, the batch the killed job was making."""
+        return self.outstanding() - len(self.returned)
+
     def lease(self, owner: str, n: int, now: float | None = None) -> list[PromptGroup]:
         """Up to `n` groups; fewer (possibly none) when admission control holds back."""
         if self.max_outstanding is not None:

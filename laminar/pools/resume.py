@@ -216,7 +216,6 @@ def prepare_pools(cfg: Any, checkpoint_version: int | None, rollout_version: int
     """Where the pools of this run live (None: in memory) and, when resuming, what the
     reconciliation did. A fresh run sets an earlier run's pools, checkpoints and published
     version aside (name.<time>), so nothing of it is resumed or restarted from by mistake."""
-    from laminar.config import ConfigError
     from laminar.metrics import set_aside
     from laminar.pools.store import SqliteStore
 
@@ -235,14 +234,7 @@ def prepare_pools(cfg: Any, checkpoint_version: int | None, rollout_version: int
                 if old.exists():
                     old.rename(run_dir / f"pools.{stamp}.db{suffix}")
         return (str(path) if cfg.durable_pools else None), None
-    if not cfg.durable_pools:
-        raise ConfigError("resume=true needs durable_pools=true: the pools of a run kept in memory "
-                          "died with it (its checkpoints can still start a new run: "
-                          "trainer.resume=RUN_DIR/checkpoints/step_NNNNNN)")
-    if not path.exists():
-        raise ConfigError(f"nothing to resume in {run_dir}: it has no pools.db (was the run started "
-                          "with durable_pools=false, or is this the wrong directory?)")
-    store = SqliteStore(path)
+    store = SqliteStore(path)  # check_resumable (start_weights) has vetted it
     try:
         summary = reconcile(store, checkpoint_version, rollout_version, mixes_versions)
     finally:
@@ -273,12 +265,14 @@ def check_resumable(cfg: Any) -> None:
     if not (run_dir / "pools.db").exists():
         raise ConfigError(f"nothing to resume in {run_dir}: it has no pools.db (was the run "
                           "started with durable_pools=false, or is this the wrong directory?)")
-    store = SqliteStore(run_dir / "pools.db")
+    store = SqliteStore(run_dir / "pools.db")  # a file that is not ours fails here
     try:
-        for table in ("meta", "leases", "partials", "trajectories", "groups"):
-            store.load(table)
+        problem = store.db.execute("PRAGMA quick_check").fetchone()[0]
     finally:
         store.close()
+    if problem != "ok":
+        raise ConfigError(f"{run_dir / 'pools.db'} is damaged ({problem}): move it away to start "
+                          "the run's pools afresh (buffered and in-flight work is then regenerated)")
     ckpt = newest_checkpoint(run_dir)
     if ckpt is None:
         return  # killed before its first checkpoint: the model starts over, the data is kept
@@ -314,3 +308,54 @@ def checkpoint_problem(ckpt: Path) -> str | None:
     except Exception as e:  # a truncated or overwritten file: any reader error means damaged
         return f"{weights[0].name} cannot be read: {e}"
     return None
+
+
+def deal_resumed(entries: list[Any], ids: list[str], started: bool | None = None) -> dict[str, list[Any]]:
+    """The killed job's in-flight trajectories (partial-pool entries owned by `RESUMED`), dealt
+    out evenly over the rollouts `ids` as `Unfinished` moves; `started`: only those with (True)
+    or without (False) streamed tokens."""
+    from laminar.types import Unfinished
+
+    if started is not None:
+        entries = [e for e in entries if bool(e.request.output_ids) == started]
+    return {wid: [Unfinished(e.request, e.group) for e in entries[i::len(ids)]]
+            for i, wid in enumerate(ids) if entries[i::len(ids)]}
+
+
+def claim_run_dir(run_dir: Path, job: str, shm_dir: str) -> None:
+    """RUN_DIR/job.json names the job using the run directory. A job killed with SIGKILL never
+    removed its relays' shared memory: the next job in the directory does. A directory whose
+    job's driver still runs is refused."""
+    import os
+
+    from laminar.config import ConfigError
+    from laminar.relay.relay import segment_prefix
+
+    path = run_dir / "job.json"
+    if path.exists():
+        n = 0
+        try:
+            old = json.loads(path.read_text())
+            if old.get("pid") != os.getpid() and _alive(old.get("pid")):
+                raise ConfigError(f"{run_dir} is in use by a running job (driver pid {old['pid']}); "
+                                  "stop it first, or set run_dir (or name) to another directory")
+            for seg in Path(old["shm_dir"]).glob(segment_prefix(old["job"], "*") + ".*"):
+                seg.unlink(missing_ok=True)
+                n += 1
+        except (ValueError, KeyError, OSError):
+            pass
+        if n:
+            print(f"removed {n} shared-memory files the killed job {old['job']} left in "
+                  f"{old['shm_dir']}", flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"job": job, "shm_dir": shm_dir, "pid": os.getpid()}))
+
+
+def _alive(pid: int | None) -> bool:
+    """A laminar driver with this process id is running (not a recycled id)."""
+    import psutil
+
+    try:
+        return pid is not None and "laminar" in " ".join(psutil.Process(pid).cmdline())
+    except (psutil.Error, OSError):
+        return False

@@ -41,6 +41,9 @@ class MemoryStore:
     """The same interface in memory: what a pool uses when nothing must survive (unit tests,
     `laminar bench`'s throwaway runs). Commits are no-ops; `load` returns what was put."""
 
+    commit_interval_s = float("inf")  # batched writes never fall due: nothing to write
+    last_commit = 0.0
+
     def __init__(self) -> None:
         self.tables: dict[str, dict[str, Any]] = {}
         self.commits = 0

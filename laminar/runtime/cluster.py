@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import time
@@ -36,16 +35,6 @@ from laminar.types import RolloutSnapshot
 
 LIGHT = {"num_cpus": 0}
 THREADED = {"num_cpus": 0, "max_concurrency": 8}
-
-
-def _alive(pid: int | None) -> bool:
-    """A laminar driver with this process id is running (not a recycled id)."""
-    import psutil
-
-    try:
-        return pid is not None and "laminar" in " ".join(psutil.Process(pid).cmdline())
-    except (psutil.Error, OSError):
-        return False
 
 
 class ClusterRuntime:
@@ -125,7 +114,7 @@ class ClusterRuntime:
     def _prepare_pools(self) -> tuple[str | None, Any]:
         """RUN_DIR/pools.db (None: pools in memory) and, when the job resumes, what the
         reconciliation of the killed job's pools did (printed)."""
-        from laminar.pools.resume import prepare_pools
+        from laminar.pools.resume import claim_run_dir, prepare_pools
         from laminar.trainer.service import newest_checkpoint
 
         ckpt = newest_checkpoint(self.cfg.resolved_run_dir) if self.cfg.resume else None
@@ -133,55 +122,18 @@ class ClusterRuntime:
                                     self.policy.mixes_versions)
         if summary is not None:
             print(f"resume: {summary.line()}", flush=True)
-        self._claim_run_dir()
+        claim_run_dir(self.cfg.resolved_run_dir, self.job, self.cfg.relay.shm_dir)
         return db, summary
-
-    def _claim_run_dir(self) -> None:
-        """RUN_DIR/job.json names the job using the run directory. A job killed with SIGKILL
-        never removed its relays' shared memory: the next job in the directory does."""
-        from pathlib import Path
-
-        from laminar.relay.relay import segment_prefix
-
-        path = self.cfg.resolved_run_dir / "job.json"
-        if path.exists():
-            n = 0
-            try:
-                old = json.loads(path.read_text())
-                if old.get("pid") != os.getpid() and _alive(old.get("pid")):
-                    from laminar.config import ConfigError
-
-                    raise ConfigError(f"{self.cfg.resolved_run_dir} is in use by a running job "
-                                      f"(driver pid {old['pid']}); stop it first, or set run_dir "
-                                      "(or name) to another directory")
-                for seg in Path(old["shm_dir"]).glob(segment_prefix(old["job"], "*") + ".*"):
-                    seg.unlink(missing_ok=True)
-                    n += 1
-            except (ValueError, KeyError, OSError):
-                pass
-            if n:
-                print(f"removed {n} shared-memory files the killed job {old['job']} left in "
-                      f"{old['shm_dir']}", flush=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"job": self.job, "shm_dir": self.cfg.relay.shm_dir,
-                                    "pid": os.getpid()}))
 
     def hand_out_resumed(self, started: bool | None = None) -> None:
         """The killed job's in-flight trajectories (owned by `RESUMED` after the
         reconciliation) go to the live rollouts, dealt out evenly: each continues from its
         streamed tokens (or from its prompt, when reset). Free-running schedules: before the
         loops start; global-batch ones when their driver says (`resume_global_batches`)."""
-        from laminar.pools.resume import RESUMED
-        from laminar.types import Unfinished
+        from laminar.pools.resume import RESUMED, deal_resumed
 
         entries = ray.get(self.pools["partials"].owned_by.remote(RESUMED))
-        if started is not None:  # only those with (True) or without (False) streamed tokens
-            entries = [e for e in entries if bool(e.request.output_ids) == started]
-        ids = sorted(self._live())
-        for i, wid in enumerate(ids):
-            mine = [Unfinished(e.request, e.group) for e in entries[i::len(ids)]]
-            if not mine:
-                continue
+        for wid, mine in deal_resumed(entries, sorted(self._live()), started).items():
             if not ray.get(self.workers[wid].adopt.remote(mine)):
                 raise RuntimeError(f"rollout {wid} refused the resumed trajectories (version "
                                    "mismatch); this is a bug: please report it")
@@ -290,8 +242,7 @@ class ClusterRuntime:
     def untrained_groups(self) -> int:
         """Groups leased or complete that the trainer has not taken: after a resume, the batch
         the killed job was generating (a global-batch schedule generates only the rest)."""
-        acct = ray.get(self.pools["prompts"].accounting.remote(), timeout=60)
-        return acct["leased"] + acct["completed"] - acct["consumed"]
+        return ray.get(self.pools["prompts"].untrained.remote(), timeout=60)
 
     def sync_weights(self, version: int) -> None:
         """Every rollout gets to `version` before anyone goes on (its policy says what becomes

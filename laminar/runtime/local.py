@@ -27,7 +27,7 @@ from laminar.models.tokenizer import encode_prompt
 from laminar.pools.experience import ExperienceBuffer
 from laminar.pools.partials import PartialPool
 from laminar.pools.prompts import PromptPool, PromptSampler
-from laminar.pools.resume import RESUMED, prepare_pools
+from laminar.pools.resume import RESUMED, deal_resumed, prepare_pools
 from laminar.rollout.evals import EvalJob, Evaluator
 from laminar.rollout.finish import Finisher
 from laminar.rollout.io import (BoardWeights, LocalBuffer, LocalPartials, LocalPrompts, RolloutIO,
@@ -38,7 +38,7 @@ from laminar.rollout.requests import sampling_params
 from laminar.tasks import build_task
 from laminar.tasks.reward_pool import open_rewards
 from laminar.trainer.service import TrainerService, newest_checkpoint
-from laminar.types import RolloutSnapshot, Trajectory, Unfinished
+from laminar.types import RolloutSnapshot, Trajectory
 
 
 class LocalTrainerData:
@@ -158,25 +158,19 @@ class LocalRuntime:
 
     def hand_out_resumed(self, started: bool | None = None) -> None:
         """The killed job's in-flight trajectories, dealt out evenly (see ClusterRuntime)."""
-        entries = self.partials.owned_by(RESUMED)
-        if started is not None:  # only those with (True) or without (False) streamed tokens
-            entries = [e for e in entries if bool(e.request.output_ids) == started]
-        for i, loop in enumerate(self.loops):
-            mine = [Unfinished(e.request, e.group) for e in entries[i::len(self.loops)]]
-            if mine and not loop.adopt(mine):
-                raise RuntimeError(f"{loop.id} refused the resumed trajectories (version "
-                                   "mismatch); this is a bug: please report it")
-            if mine:
-                self.partials.reassign([m.request.request_id for m in mine], loop.id,
-                                       [m.request for m in mine])
+        loops = {loop.id: loop for loop in self.loops}
+        for wid, mine in deal_resumed(self.partials.owned_by(RESUMED), list(loops), started).items():
+            if not loops[wid].adopt(mine):
+                raise RuntimeError(f"{wid} refused the resumed trajectories (version mismatch); "
+                                   "this is a bug: please report it")
+            self.partials.reassign([m.request.request_id for m in mine], wid, [m.request for m in mine])
 
     def ready_groups(self) -> int:
         return self.buffer.num_ready()
 
     def untrained_groups(self) -> int:
         """Groups leased or complete that the trainer has not taken (see ClusterRuntime)."""
-        acct = self.prompts.accounting()
-        return acct["leased"] + acct["completed"] - acct["consumed"]
+        return self.prompts.untrained()
 
     def sync_weights(self, version: int) -> None:
         for loop in self.loops:
