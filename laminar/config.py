@@ -77,10 +77,36 @@ class DatasetConfig(Section):
     answer_column: str = Field("answer", description="Column holding the reference answer.")
 
 
+class CalcTaskConfig(Section):
+    num_prompts: int = Field(4096, ge=1, description="Training questions generated.")
+    kinds: list[Literal["mul", "add", "range_sum", "count", "primes"]] = Field(
+        default_factory=lambda: ["mul", "add", "range_sum", "count", "primes"],
+        description="Question kinds: big-number `mul`/`add`, `range_sum` (a sum over a range "
+        "with a condition), `count` (a character in a long string), `primes` (primes below N: "
+        "the heavy tail of slow programs).")
+    digits: int = Field(4, ge=1, le=12, description="Digits of the arithmetic operands.")
+    tail_sigma: float = Field(1.2, ge=0.0, description="Log-normal sigma of the work a question "
+                              "asks for (range lengths, prime limits): the tail of slow programs.")
+
+
 class TaskConfig(Section):
-    name: Literal["reverse", "dataset"] = Field(
-        "reverse", description="`reverse` (built-in: answer = prompt reversed) or `dataset` "
-        "(prompts and answers from `task.dataset`).")
+    name: Literal["reverse", "dataset", "calc"] = Field(
+        "reverse", description="`reverse` (built-in: answer = prompt reversed), `dataset` "
+        "(prompts and answers from `task.dataset`) or `calc` (built-in agentic task: the model "
+        "writes Python, the sandbox runs it, the model answers).")
+    env: str | None = Field(
+        None, description="A multi-turn environment class (laminar.envs.Env) as a dotted path "
+        "`package.module:Class` or a file `my_envs.py:Class` (relative to the config file's "
+        "folder), used with the task's prompts instead of the task's own environment.")
+    env_args: dict[str, Any] = Field(default_factory=dict,
+                                     description="Keyword arguments of the environment class.")
+    max_turns: int = Field(4, ge=1, description="Most model turns of one episode; the episode "
+                           "ends (and is scored) after this many.")
+    env_timeout_s: float = Field(
+        30.0, gt=0.0, description="Longest one environment call (reset or step) may take; then "
+        "the trajectory is failed with reason `env_timeout` and counted, the rollout goes on.")
+    calc: CalcTaskConfig = Field(default_factory=CalcTaskConfig,
+                                 description="Settings of the built-in calc task.")
     reverse: ReverseTaskConfig = Field(default_factory=ReverseTaskConfig,
                                        description="Settings of the built-in reverse task.")
     dataset: DatasetConfig | None = Field(None, description="Your own data; needed by name=dataset.")
@@ -307,6 +333,28 @@ class MetricsConfig(Section):
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
+class SandboxConfig(Section):
+    backend: Literal["auto", "bwrap", "unshare", "unsafe"] = Field(
+        "auto", description="How untrusted code is isolated. `bwrap`: bubblewrap. `unshare`: "
+        "laminar's own namespaces (network, mount, pid, ipc, uts), a read-only minimal root and "
+        "an unprivileged uid. `auto`: bwrap when installed, else unshare. `unsafe`: a plain "
+        "subprocess with rlimits only (no network or filesystem isolation); refused unless "
+        "`allow_unsafe` is true.")
+    allow_unsafe: bool = Field(False, description="Permit the `unsafe` backend (and `auto` "
+                               "falling back to it where the kernel refuses namespaces).")
+    timeout_s: float = Field(5.0, gt=0.0, description="Wall-clock limit of one run; then the "
+                             "whole process group is killed.")
+    cpu_s: int = Field(5, ge=1, description="CPU-seconds limit (RLIMIT_CPU).")
+    memory_mb: int = Field(512, ge=16, description="Address-space limit (RLIMIT_AS).")
+    max_procs: int = Field(16, ge=1, description="Process limit (RLIMIT_NPROC).")
+    max_file_mb: int = Field(8, ge=1, description="Largest file it may write (RLIMIT_FSIZE).")
+    scratch_mb: int = Field(32, ge=1, description="Size of its private scratch directory.")
+    max_output_bytes: int = Field(4096, ge=64, description="Output kept; the rest is cut and "
+                                  "the run is stopped once it prints 16x this.")
+    warm: int = Field(2, ge=0, description="Sandboxes kept started and waiting for code, so a "
+                      "call costs little.")
+
+
 class Config(Section):
     name: str = Field("reverse", description="Run name; the default run directory is runs/<name>.")
     run_dir: str | None = Field(None, description="Where metrics and checkpoints go.")
@@ -321,6 +369,8 @@ class Config(Section):
     mode: Mode = Field("sync", description=f"Schedule: {', '.join(MODES)} (laminar/modes/<mode>.py).")
     model: ModelConfig = Field(default_factory=ModelConfig, description="What model to train.")
     task: TaskConfig = Field(default_factory=TaskConfig, description="Prompts and reward.")
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig,
+                                   description="Isolation of untrusted code (the calc task's tool).")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Optimisation.")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised warm start.")
@@ -399,15 +449,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def _anchor_files(data: dict[str, Any], base: Path) -> None:
-    """`task.reward: my_reward.py:score` names a file; make a relative one absolute against
-    `base` (the config file's folder), so `laminar train my_job.yaml` runs from any folder and
-    the run's saved config.yaml (which `laminar resume` reads) still finds it."""
+    """`task.reward: my_reward.py:score` and `task.env: my_envs.py:Calc` name files; make a
+    relative one absolute against `base` (the config file's folder), so `laminar train
+    my_job.yaml` runs from any folder and the run's saved config.yaml (which `laminar resume`
+    reads) still finds it."""
     task = data.get("task")
-    reward = task.get("reward") if isinstance(task, dict) else None
-    if isinstance(reward, str):
-        module, sep, attr = reward.rpartition(":")
-        if sep and module.endswith(".py") and not Path(module).is_absolute():
-            task["reward"] = f"{(base / module).resolve()}:{attr}"
+    for key in ("reward", "env"):
+        value = task.get(key) if isinstance(task, dict) else None
+        if isinstance(value, str):
+            module, sep, attr = value.rpartition(":")
+            if sep and module.endswith(".py") and not Path(module).is_absolute():
+                task[key] = f"{(base / module).resolve()}:{attr}"
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:

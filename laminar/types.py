@@ -15,7 +15,7 @@ from laminar.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["eos", "stop", "length"]
 
@@ -27,6 +27,8 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 128  # token budget for the response (tokens already generated count)
     stop_token_ids: tuple[int, ...] = ()  # finishing tokens besides the engine's EOS
+    stop_sequences: tuple[tuple[int, ...], ...] = ()  # token sequences that finish ("stop") when
+    # the output ends with one (an environment's stop strings, e.g. a closing tool tag)
     seed: int | None = None  # per-request seed for reproducible sampling; None = engine RNG
 
     @property
@@ -121,8 +123,12 @@ class Trajectory:
     finish_reason: FinishReason | None = None
     token_versions: list[int] | None = None  # per token; only `partial` mode mixes versions
     staleness: int | None = None  # trainer version at consumption - version; set by the trainer
-    failed: str | None = None  # why its reward failed for good (laminar.tasks.rewards.FAILURES):
-    # it still completes its group in the buffer; the trainer leaves it out
+    failed: str | None = None  # why its reward failed for good (laminar.tasks.rewards.FAILURES:
+    # the reward's, or the environment's env_error / env_timeout): it still completes its group
+    # in the buffer; the trainer leaves it out
+    loss_mask: list[int] | None = None  # per response id: 1 the model's, 0 the environment's
+    # (observations of a multi-turn episode: context, not trained); None = every id the model's
+    turns: int = 1  # model turns of its episode
 
     @property
     def num_tokens(self) -> int:
@@ -135,6 +141,7 @@ class Unfinished:
 
     request: GenerationRequest  # prompt, tokens, log-probs and their versions so far
     group: PromptGroup  # the prompt (and reference answer) it samples
+    episode: Any = None  # a multi-turn episode's state and environment (laminar.envs.episode)
 
 
 @dataclass(slots=True)

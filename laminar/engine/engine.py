@@ -162,7 +162,7 @@ class Engine:
             reason = None
             if token == eos:
                 reason = "eos"
-            elif token in seq.stop_ids:
+            elif token in seq.stop_ids or (seq.stop_seqs and seq.stops_at_end(request.output_ids)):
                 reason = "stop"
             elif len(request.output_ids) >= request.params.max_new_tokens:
                 reason = "length"

@@ -46,6 +46,9 @@ class HFEngine:
             by_params: dict[tuple, list[GenerationRequest]] = {}
             for req in batch:
                 p = req.params
+                if p.stop_sequences:
+                    raise ValueError(f"request '{req.request_id}' has stop_sequences; the hf "
+                                     "baseline engine does not support them (use the native one)")
                 key = (p.temperature, p.top_p, p.top_k, p.stop_token_ids)
                 by_params.setdefault(key, []).append(req)
             for group in by_params.values():

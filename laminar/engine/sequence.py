@@ -13,13 +13,18 @@ from laminar.types import GenerationRequest
 
 class Sequence:
     __slots__ = ("request", "seed", "stop_ids", "admitted_at", "num_tokens", "sampling_row",
-                 "is_greedy", "is_filtered")
+                 "is_greedy", "is_filtered", "stop_seqs")
 
     def __init__(self, request: GenerationRequest, seed: int, eos_token_id: int) -> None:
         params = request.params
         self.request = request
         self.seed = seed  # drives the counter-based sampling noise (see sampler.py)
         self.stop_ids = frozenset((eos_token_id, *params.stop_token_ids))
+        # last token -> stop sequences ending with it, so the step checks only on a match
+        self.stop_seqs: dict[int, list[list[int]]] = {}
+        for s in params.stop_sequences:
+            if s:
+                self.stop_seqs.setdefault(s[-1], []).append(list(s))
         self.admitted_at = -1  # admission counter; the newest running sequence is preempted first
         # prompt + output length; a plain attribute (the step reads it for every row), kept in
         # step by the engine, the only writer of output_ids while the request is inside
@@ -38,6 +43,13 @@ class Sequence:
     @property
     def budget_left(self) -> int:
         return self.request.params.max_new_tokens - len(self.request.output_ids)
+
+    def stops_at_end(self, output: list[int]) -> bool:
+        """The output ends with one of the request's stop sequences."""
+        for s in self.stop_seqs.get(output[-1], ()) if output else ():
+            if len(output) >= len(s) and output[-len(s):] == s:
+                return True
+        return False
 
     def context(self) -> list[int]:
         """What a (re-)prefill feeds: the prompt and everything generated so far."""

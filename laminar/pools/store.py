@@ -180,6 +180,7 @@ def encode_request(req: GenerationRequest) -> dict[str, Any]:
 def decode_request(d: dict[str, Any]) -> GenerationRequest:
     p = dict(d["params"])
     p["stop_token_ids"] = tuple(p["stop_token_ids"])
+    p["stop_sequences"] = tuple(tuple(seq) for seq in p.get("stop_sequences", ()))
     return GenerationRequest(d["request_id"], d["prompt_ids"], SamplingParams(**p), d["output_ids"],
                              d["logprobs"], d["token_versions"], d["version"], d["finish_reason"])
 

@@ -26,14 +26,12 @@ from laminar.engine import build_engine
 from laminar.models import load_pretrained
 from laminar.pools.partials import TokenUpdate
 from laminar.rollout.evals import EvalJob, Evaluator
-from laminar.rollout.finish import Finisher
+from laminar.rollout.finish import make_finisher
 from laminar.rollout.io import Registration, RelayWeights, RolloutIO
 from laminar.rollout.loop import RolloutLoop
 from laminar.rollout.policy import Policy
 from laminar.rollout.requests import sampling_params
-from laminar.tasks import Task
-from laminar.tasks.reward_pool import open_rewards
-from laminar.tasks.rewards import resolve_reward
+from laminar.tasks import build_task
 from laminar.types import PromptGroup, RolloutSnapshot, Trajectory, Unfinished
 
 
@@ -110,8 +108,8 @@ class RolloutActor:
                               tokenizer.pad_token_id, version, seed)
         io = RolloutIO(RayPrompts(pools["prompts"]), RayPartials(pools["partials"]),
                        RayBuffer(pools["buffer"]), RelayWeights(relay, cfg.relay))
-        task = Task(cfg.task.name, [], [], resolve_reward(cfg.task.reward))
-        finisher = Finisher(task, tokenizer, cfg.rollout.env_latency, seed, open_rewards(cfg.task))
+        task = build_task(cfg.task, cfg.sandbox, prompts=False)
+        finisher = make_finisher(cfg, task, tokenizer, seed)
         evaluator = Evaluator.copying(engine, cfg.rollout.engine, tokenizer, task, seed, finisher.rewards)
         self.loop = RolloutLoop(rollout_id, engine, io, policy, finisher, sampling_params(cfg),
                                 cfg.rollout, cfg.cluster.heartbeat_s, evaluator)

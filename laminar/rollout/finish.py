@@ -1,10 +1,20 @@
 """From a finished generation request to a scored trajectory, after its environment call.
 
-    finisher = Finisher(task, tokenizer, cfg.rollout.env_latency, seed, open_rewards(cfg.task))
-    finisher.add(request, group)          # its reward is submitted; its emulated tool call starts
+    finisher = Finisher(task, tokenizer, cfg.rollout.env_latency, seed, open_rewards(cfg.task),
+                        episodes)
+    if finisher.begin(request, group):    # one turn: decode it now (else reset runs first)
+        engine.add(request)
+    finisher.add(request, group)          # the engine finished it (or a turn of its episode)
+    for request, group in finisher.next_turns():   # multi-turn: the next turn, to decode
+        engine.add(request)
     for traj in finisher.ready():         # reward done and tool call over: for the buffer
         ...
-    finisher.close()                      # ends the reward workers
+    finisher.close()                      # ends the reward workers and live episodes
+
+Multi-turn tasks (`task.multi_turn`) run episodes (laminar/envs/episode.py): every finished
+turn goes to the environment's `step`, which either continues the episode (its observation is
+appended and the request comes back from `next_turns`) or ends it with the reward; an ended
+episode becomes a trajectory with its loss mask and turn count.
 
 The reward runs as `rewards` says (laminar/tasks/reward_pool.py: killable worker processes with
 a timeout and retries, or inline; default inline with the task's reward). A trajectory whose
@@ -26,7 +36,8 @@ from collections import Counter
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from laminar.config import EnvLatencyConfig
+from laminar.config import Config, EnvLatencyConfig
+from laminar.envs.episode import Episodes
 from laminar.metrics import evenly
 from laminar.models.tokenizer import decode_response
 from laminar.tasks import Task
@@ -49,17 +60,40 @@ def to_trajectory(req: GenerationRequest, group: PromptGroup, reward: float,
 
 class Finisher:
     def __init__(self, task: Task, tokenizer: PreTrainedTokenizerBase, env: EnvLatencyConfig,
-                 seed: int, rewards: RewardPool | InlineRewards | None = None) -> None:
+                 seed: int, rewards: RewardPool | InlineRewards | None = None,
+                 episodes: Episodes | None = None) -> None:
         self.task, self.tokenizer, self.env = task, tokenizer, env
+        self.episodes = episodes
         self.rewards = rewards or InlineRewards(task.reward_fn)
         self.rng = np.random.default_rng(seed)  # the emulated environment's latencies
         self.scoring: list[tuple[RewardCall, float, Trajectory]] = []  # reward not done yet
         self.waiting: list[tuple[float, str, Trajectory]] = []  # heap by ready time
         self.reward_errors = 0  # trajectories whose reward failed for good
         self.failed_by_reason: Counter[str] = Counter()
-        self.delays: list[float] = []  # emulated environment latencies since the last take
+        self.delays: list[float] = []  # environment latencies since the last take (real
+        # step calls of multi-turn episodes, or the emulated ones)
+        self.turns: list[int] = []  # turns of the episodes ended since the last take
+
+    def begin(self, req: GenerationRequest, group: PromptGroup) -> bool:
+        """A request about to start: True when it can be decoded now; False when its episode's
+        reset runs first (it comes back from `next_turns`)."""
+        if self.episodes is None:
+            return True
+        self.episodes.begin(req, group)
+        return False
+
+    def next_turns(self) -> list[tuple[GenerationRequest, PromptGroup]]:
+        return self.episodes.next_turns() if self.episodes is not None else []
+
+    @property
+    def num_episodes(self) -> int:
+        """Multi-turn episodes begun and not ended (decoding or in their environment)."""
+        return len(self.episodes) if self.episodes is not None else 0
 
     def add(self, req: GenerationRequest, group: PromptGroup) -> None:
+        if self.episodes is not None and req.request_id in self.episodes.live:
+            self.episodes.end_turn(req)
+            return
         response = decode_response(self.tokenizer, req.output_ids)
         call = self.rewards.submit(group.item.prompt, response, group.item.answer)
         traj = to_trajectory(req, group, 0.0, exact_match(response, group.item.answer))
@@ -75,6 +109,8 @@ class Finisher:
     def ready(self) -> list[Trajectory]:
         """Trajectories whose reward is done and whose environment call is over."""
         self._collect()
+        if self.episodes is not None:
+            self._collect_episodes()
         now, out = time.monotonic(), []
         while self.waiting and self.waiting[0][0] <= now:
             out.append(heapq.heappop(self.waiting)[2])
@@ -97,15 +133,45 @@ class Finisher:
             heapq.heappush(self.waiting, (at, traj.traj_id, traj))
         self.scoring = scoring
 
+    def _collect_episodes(self) -> None:
+        for e in self.episodes.finished():
+            traj = to_trajectory(e.request, e.group, e.reward, e.exact_match, e.loss_mask, e.turns)
+            if e.failed:
+                traj.failed = e.failed
+                self.failed_by_reason[e.failed] += 1
+                self.reward_errors += 1
+            heapq.heappush(self.waiting, (0.0, traj.traj_id, traj))
+        latencies, turns = self.episodes.take_stats()
+        self.delays += latencies[:max(0, 4096 - len(self.delays))]
+        self.turns += turns[:max(0, 4096 - len(self.turns))]
+
     def close(self) -> None:
-        """End the reward workers (a later `add` starts new ones)."""
+        """End the reward workers (a later `add` starts new ones) and the live episodes."""
         self.rewards.close()
+        if self.episodes is not None:
+            self.episodes.close()
 
     def take_delays(self, at_most: int = 64) -> list[float]:
         """Up to `at_most` of the environment latencies since the last call, drawn evenly."""
         out, self.delays = self.delays, []
         return [round(d, 4) for d in evenly(out, at_most)]
 
+    def take_turns(self, at_most: int = 64) -> list[int]:
+        """Up to `at_most` of the turn counts of episodes ended since the last call."""
+        out, self.turns = self.turns, []
+        return evenly(out, at_most)
+
     def __len__(self) -> int:
-        """Trajectories not ready yet: being scored or in their environment call."""
-        return len(self.scoring) + len(self.waiting)
+        """Trajectories not ready yet: being scored, in their environment call, or mid-episode."""
+        outside = self.episodes.num_outside_engine if self.episodes is not None else 0
+        return len(self.scoring) + len(self.waiting) + outside
+
+
+def make_finisher(cfg: Config, task: Task, tokenizer: PreTrainedTokenizerBase,
+                  seed: int) -> Finisher:
+    """The finisher of a rollout: reward workers for one-turn tasks, episodes for multi-turn."""
+    from laminar.tasks.reward_pool import open_rewards
+
+    episodes = (Episodes(task, tokenizer, cfg.task.max_turns, cfg.task.env_timeout_s)
+                if task.multi_turn else None)
+    return Finisher(task, tokenizer, cfg.rollout.env_latency, seed, open_rewards(cfg.task), episodes)

@@ -10,7 +10,9 @@ Each `step()`:
    interrupt in-flight work for them;
 2. **admit**: collect the answer of the prompt source (① a lease), start leased groups in the
    engine and register them with the partial response pool;
-3. **decode**: one engine step; finished requests go to the `Finisher` (reward, environment);
+3. **decode**: one engine step; finished requests go to the `Finisher` (reward, environment;
+   a multi-turn episode's turn goes to its environment and, unless the episode ended, comes
+   back with the observation appended as the request's next turn);
 4. **hand on**: stream new tokens to the partial pool (②, every `rollout.stream_every` tokens,
    at most every `rollout.stream_interval_s`), put trajectories whose environment call is over
    into the experience buffer (③), and, for every put the buffer confirmed, drop those
@@ -102,7 +104,8 @@ class RolloutLoop:
         timeline spans (`close`: the open one too) and emulated environment latencies."""
         with self.lock:
             return {"evals": self.evaluator.take() if self.evaluator else [],
-                    "spans": self.timeline.take(close), "env_latency_s": self.finisher.take_delays()}
+                    "spans": self.timeline.take(close), "env_latency_s": self.finisher.take_delays(),
+                    "turns": self.finisher.take_turns()}
 
     def holds_version(self, version: int) -> bool:
         return self.engine.version >= version
@@ -144,24 +147,33 @@ class RolloutLoop:
             self.counters.idle_s += time.perf_counter() - t0
         self.settle(timeout_s=60.0)
 
+    @property
+    def num_active(self) -> int:
+        """Trajectories started and not finished: decoding, or mid-episode in the environment."""
+        episodes = self.finisher.episodes
+        return len(self.in_flight) + (episodes.num_outside_engine if episodes is not None else 0)
+
     def _decide(self) -> None:
         version = self.engine.version
         if self.sync_to is not None and self.sync_to <= version:
             self.sync_to = None
         size = self.cfg.group_size
-        free = (self.cfg.batch_groups * size - len(self.in_flight)) // size - len(self.leased)
+        active = self.num_active
+        free = (self.cfg.batch_groups * size - active) // size - len(self.leased)
         decision = self.policy.decide(LoopState(
             version=version, newest=self.io.weights.newest(), sync_to=self.sync_to,
-            num_in_flight=len(self.in_flight), num_leased=len(self.leased),
+            num_in_flight=active, num_leased=len(self.leased),
             num_requested=self.requested, free_groups=max(0, free), held=self.held))
         self.draining = decision.draining
         if decision.interrupt:
             self._interrupt()
-        elif decision.pull and not self.in_flight:  # the evaluator's engine is its own
-            self._load_newest()
+        elif decision.pull and not active:  # the evaluator's engine is its own; an episode
+            self._load_newest()  # in its environment keeps the weights of its first turn
         if decision.start and self.leased:
             self._start(self.leased)
             self.leased = []
+        for req, group in self.finisher.next_turns():  # episodes' next turns (or first, after reset)
+            self._add(req, group)
         if decision.lease > 0 and not self.lease_pending and time.monotonic() >= self.next_lease:
             self.io.prompts.request(self.id, decision.lease)
             self.lease_pending = True
@@ -184,11 +196,15 @@ class RolloutLoop:
             requests = group_requests(group, self.params)
             registrations.append((group, requests))
             for req in requests:
-                self.engine.add(req)
-                self.in_flight[req.request_id] = (req, group)
-                self.streamed[req.request_id] = 0
+                if self.finisher.begin(req, group):  # else its episode's reset runs first
+                    self._add(req, group)
         self.io.partials.register(self.id, registrations)
         self.counters.batches += 1
+
+    def _add(self, req: GenerationRequest, group: PromptGroup) -> None:
+        self.engine.add(req)
+        self.in_flight[req.request_id] = (req, group)
+        self.streamed[req.request_id] = len(req.output_ids)
 
     def _decode(self) -> bool:
         if not self.engine.has_unfinished():
@@ -227,6 +243,9 @@ class RolloutLoop:
         return bool(ready or landed)
 
     def _stream(self) -> None:
+        if self.finisher.episodes is not None:
+            return  # an episode's tokens are useless without its environment's state, which
+            # dies with this process: a multi-turn trajectory restarts from its prompt instead
         every, updates = self.cfg.stream_every, []
         for rid, (req, _) in self.in_flight.items():
             sent = self.streamed[rid]
@@ -290,8 +309,14 @@ class RolloutLoop:
         """Abort everything in flight and hand it over (a repack source, a retiring rollout);
         admissions are held until `release()`."""
         with self.lock:
-            states = self.engine.abort(list(self.in_flight))
-            moved = [Unfinished(s, self.in_flight.pop(s.request_id)[1]) for s in states]
+            ids, episodes = list(self.in_flight), {}
+            if self.finisher.episodes is not None:  # an episode leaves with its environment;
+                for rid in ids:  # one whose environment cannot be pickled stays
+                    episodes[rid] = self.finisher.episodes.detach(rid)
+                ids = [rid for rid in ids if episodes[rid] is not None]
+            states = self.engine.abort(ids)
+            moved = [Unfinished(s, self.in_flight.pop(s.request_id)[1], episodes.get(s.request_id))
+                     for s in states]
             for m in moved:
                 self.streamed.pop(m.request.request_id, None)
             self.held, self.draining = True, False
@@ -306,12 +331,18 @@ class RolloutLoop:
             if not self.policy.mixes_versions and any(
                     m.request.version not in (None, version) for m in moved):
                 return False
+            episodes = self.finisher.episodes
             for m in moved:
                 req = m.request
                 req.finish_reason = None
-                self.engine.add(req)
-                self.in_flight[req.request_id] = (req, m.group)
-                self.streamed[req.request_id] = len(req.output_ids)
+                if episodes is not None and m.episode is not None:
+                    episodes.attach(m.episode)  # mid-episode, with its environment
+                elif episodes is not None:  # from the partial pool: its environment is gone,
+                    req.output_ids, req.logprobs, req.token_versions = [], [], []  # restart it
+                    req.version = None
+                    self.finisher.begin(req, m.group)
+                    continue
+                self._add(req, m.group)
                 self.counters.reprefill_tokens += req.num_tokens
             self.counters.adopted += len(moved)
         self.wake.set()

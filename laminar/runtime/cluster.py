@@ -76,7 +76,7 @@ class ClusterRuntime:
         self.job = uuid.uuid4().hex[:8]
         secret = (os.environ.get(cfg.relay.secret_env) or secrets.token_hex(16)).encode()
         tokenizer = load_tokenizer(self.model_dir)
-        self.task = task = build_task(cfg.task)
+        self.task = task = build_task(cfg.task, cfg.sandbox)
         sampler = PromptSampler(task.train, partial(encode_prompt, tokenizer), cfg.rollout.group_size,
                                 seed=cfg.task.seed)
         # named, so that a restarted trainer finds them by name

@@ -29,14 +29,13 @@ from laminar.pools.partials import PartialPool
 from laminar.pools.prompts import PromptPool, PromptSampler
 from laminar.pools.resume import RESUMED, deal_resumed, prepare_pools
 from laminar.rollout.evals import EvalJob, Evaluator
-from laminar.rollout.finish import Finisher
+from laminar.rollout.finish import make_finisher
 from laminar.rollout.io import (BoardWeights, LocalBuffer, LocalPartials, LocalPrompts, RolloutIO,
                                 WeightBoard)
 from laminar.rollout.loop import RolloutLoop
 from laminar.rollout.policy import Policy
 from laminar.rollout.requests import sampling_params
 from laminar.tasks import build_task
-from laminar.tasks.reward_pool import open_rewards
 from laminar.trainer.service import TrainerService, newest_checkpoint
 from laminar.types import RolloutSnapshot, Trajectory
 
@@ -90,7 +89,7 @@ class LocalRuntime:
 
     def __enter__(self) -> "LocalRuntime":
         cfg = self.cfg
-        self.task = build_task(cfg.task)
+        self.task = build_task(cfg.task, cfg.sandbox)
         if self.task.load_report:
             print(self.task.load_report.summary())
         model, self.tokenizer = load_pretrained(self.model_dir, cfg.model.attn_implementation)
@@ -127,8 +126,7 @@ class LocalRuntime:
                               self.tokenizer.pad_token_id, self.start_version, seed)
         io = RolloutIO(LocalPrompts(self.prompts), LocalPartials(self.partials),
                        LocalBuffer(self.buffer), BoardWeights(self.board))
-        finisher = Finisher(self.task, self.tokenizer, cfg.rollout.env_latency, seed,
-                            open_rewards(cfg.task))
+        finisher = make_finisher(cfg, self.task, self.tokenizer, seed)
         evaluator = Evaluator.copying(engine, cfg.rollout.engine, self.tokenizer, self.task, seed,
                                       finisher.rewards)
         return RolloutLoop(rollout_id, engine, io, self.policy, finisher, sampling_params(cfg),

@@ -58,26 +58,35 @@ def exact_match_reward(prompt: str, response: str, answer: str) -> float:
     return float(exact_match(response, answer))
 
 
-def resolve_reward(path: str | None) -> RewardFn:
-    """`package.module:function` -> the function, checked against the contract."""
-    if path is None:
-        return similarity_reward
+def import_target(path: str, key: str, kind: str = "function") -> Any:
+    """`package.module:name` or `my_file.py:name` (a file path, absolute or relative to the
+    current folder; configs make theirs absolute) -> the object; a ConfigError naming `key`."""
     module_name, sep, attr = path.rpartition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"task.reward='{path}' is not of the form package.module:function or "
-                          "my_reward.py:function")
+        raise ConfigError(f"{key}='{path}' is not of the form package.module:{kind} or "
+                          f"my_file.py:{kind}")
     if module_name.endswith(".py"):
-        module = _module_from_file(path, module_name)
+        module = _module_from_file(path, module_name, key)
     else:
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:
-            raise ConfigError(f"task.reward='{path}': cannot import module '{module_name}' ({e}); "
+            raise ConfigError(f"{key}='{path}': cannot import module '{module_name}' ({e}); "
                               "is it installed or on PYTHONPATH? (a file beside your config: "
-                              "task.reward: my_reward.py:function)") from None
-    fn = getattr(module, attr, None)
+                              f"{key}: my_file.py:{kind})") from None
+    if not hasattr(module, attr):
+        raise ConfigError(f"{key}='{path}': module '{module_name}' has no {kind} '{attr}'")
+    return getattr(module, attr)
+
+
+def resolve_reward(path: str | None) -> RewardFn:
+    """`package.module:function` -> the function, checked against the contract."""
+    if path is None:
+        return similarity_reward
+    module_name, _, attr = path.rpartition(":")
+    fn = import_target(path, "task.reward")
     if not callable(fn):
-        raise ConfigError(f"task.reward='{path}': module '{module_name}' has no function '{attr}'")
+        raise ConfigError(f"task.reward='{path}': '{attr}' in module '{module_name}' is not a function")
     try:
         inspect.signature(fn).bind("prompt", "response", "answer")
     except TypeError:
@@ -119,7 +128,7 @@ def score(fn: RewardFn, prompt: str, response: str, answer: str) -> tuple[float,
     return value, error
 
 
-def _module_from_file(path: str, file: str) -> Any:
+def _module_from_file(path: str, file: str, key: str) -> Any:
     """Import `file` (a .py path) as a module of its own, once per process."""
     import importlib.util
     import sys
@@ -127,7 +136,7 @@ def _module_from_file(path: str, file: str) -> Any:
 
     where = Path(file).resolve()
     if not where.is_file():
-        raise ConfigError(f"task.reward='{path}': no file {where}; give a path relative to the "
+        raise ConfigError(f"{key}='{path}': no file {where}; give a path relative to the "
                           "config file (or absolute)")
     name = f"laminar_user_{where.stem}_{abs(hash(str(where))) % 10**8}"
     if name in sys.modules:
@@ -138,7 +147,7 @@ def _module_from_file(path: str, file: str) -> Any:
     try:
         spec.loader.exec_module(module)
     except Exception as e:
-        raise ConfigError(f"task.reward='{path}': importing {where} failed: "
+        raise ConfigError(f"{key}='{path}': importing {where} failed: "
                           f"{type(e).__name__}: {e}") from None
     sys.modules[name] = module
     return module

@@ -72,7 +72,8 @@ def collate(trajs: list[Trajectory], advantages: torch.Tensor, pad_token_id: int
         attention_mask[row, :len(seq)] = 1
         start = len(t.prompt_ids) - 1  # position whose logits predict the first response token
         end = start + len(t.response_ids)
-        response_mask[row, start:end] = 1.0
+        response_mask[row, start:end] = (1.0 if t.loss_mask is None else  # observations: context
+                                          torch.tensor(t.loss_mask, dtype=torch.float32))
         old_logprobs[row, start:end] = torch.tensor(t.logprobs, dtype=torch.float32)
     return Batch(input_ids, attention_mask, input_ids[:, 1:], response_mask, old_logprobs, advantages)
 
@@ -132,7 +133,8 @@ class Trainer:
             self._pending.append({"train_s": time.perf_counter() - t0, "nonfinite_skipped": 0})
             return
         adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs]).tolist()
-        num_tokens = sum(len(t.response_ids) for t in trajs)
+        num_tokens = sum(len(t.response_ids) if t.loss_mask is None else sum(t.loss_mask)
+                         for t in trajs)  # the model's tokens: what the loss averages over
         sums: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for group in token_budget_batches([t.num_tokens for t in trajs], self.cfg.micro_batch_tokens):
