@@ -26,7 +26,7 @@ from laminar.engine import build_engine
 from laminar.models import load_pretrained
 from laminar.pools.partials import TokenUpdate
 from laminar.rollout.evals import EvalJob, Evaluator
-from laminar.rollout.finish import make_finisher
+from laminar.rollout.finish import make_episodes, make_finisher
 from laminar.rollout.io import Registration, RelayWeights, RolloutIO
 from laminar.rollout.loop import RolloutLoop
 from laminar.rollout.policy import Policy
@@ -110,7 +110,8 @@ class RolloutActor:
                        RayBuffer(pools["buffer"]), RelayWeights(relay, cfg.relay))
         task = build_task(cfg.task, cfg.sandbox, prompts=False)
         finisher = make_finisher(cfg, task, tokenizer, seed)
-        evaluator = Evaluator.copying(engine, cfg.rollout.engine, tokenizer, task, seed, finisher.rewards)
+        evaluator = Evaluator.copying(engine, cfg.rollout.engine, tokenizer, task, seed, finisher.rewards,
+                                           make_episodes(cfg, task, tokenizer))
         self.loop = RolloutLoop(rollout_id, engine, io, policy, finisher, sampling_params(cfg),
                                 cfg.rollout, cfg.cluster.heartbeat_s, evaluator)
         self.stop_event = threading.Event()

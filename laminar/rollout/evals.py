@@ -13,6 +13,8 @@ rollout's starting weights, which its engine was copied from), then decodes ever
 greedy, and sampled with the rollout's sampling parameters and a fixed seed per prompt (the same
 draws at every evaluation, so two evaluations differ by the weights only). One engine step per
 loop step: the evaluation shares the rollout's CPU with generation instead of pausing it.
+A multi-turn task evaluates whole episodes (laminar/envs/episode.py, with environments of its
+own), scored by their environment: exact match is the episode's `info["exact_match"]`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any, Callable
 
 from laminar.models.tokenizer import decode_response, encode_prompt
 from laminar.tasks.rewards import exact_match
-from laminar.types import GenerationRequest, PromptItem, SamplingParams
+from laminar.types import GenerationRequest, PromptGroup, PromptItem, SamplingParams
 
 
 @dataclass
@@ -50,10 +52,12 @@ class Evaluator:
         self.t0 = 0.0
         self.results: list[dict[str, Any]] = []
         self.rewards: Any = None  # the rollout's reward runner (tasks/reward_pool.py), if any
+        self.episodes: Any = None  # multi-turn tasks: the evaluation's own episodes
+        self.outcomes: dict[str, tuple[float, bool]] = {}  # request id -> (reward, exact match)
 
     @classmethod
     def copying(cls, engine: Any, engine_cfg: Any, tokenizer: Any, task: Any, seed: int,
-                rewards: Any = None) -> "Evaluator":
+                rewards: Any = None, episodes: Any = None) -> "Evaluator":
         """An evaluator whose engine, built on first use, is a copy of `engine` (its model,
         weights and version at that moment). `rewards`: score through the rollout's reward
         runner (a user's reward in killable processes, with its timeout), not inline."""
@@ -61,7 +65,7 @@ class Evaluator:
 
         evaluator = cls(lambda: build_engine(engine_cfg, copy.deepcopy(engine.model), tokenizer.eos_token_id,
                                              tokenizer.pad_token_id, engine.version, seed), tokenizer, task)
-        evaluator.rewards = rewards
+        evaluator.rewards, evaluator.episodes = rewards, episodes
         return evaluator
 
     def queue(self, job: EvalJob) -> None:
@@ -76,12 +80,29 @@ class Evaluator:
         engine step; False when there was nothing to do."""
         if self.job is None:
             return self._start(weights)
-        for delta in self.engine.step():
-            if delta.finish_reason is not None and delta.request_id in self.requests:
-                self.left -= 1
+        if self.episodes is not None:
+            self._step_episodes()
+        else:
+            for delta in self.engine.step():
+                if delta.finish_reason is not None and delta.request_id in self.requests:
+                    self.left -= 1
         if self.left == 0:
             self._finish()
         return True
+
+    def _step_episodes(self) -> None:
+        episodes = self.episodes
+        for req, _ in episodes.next_turns():
+            self.engine.add(req)
+        if self.engine.has_unfinished():
+            for delta in self.engine.step():
+                if delta.finish_reason is not None and delta.request_id in episodes.live:
+                    episodes.end_turn(episodes.live[delta.request_id].request)
+        for e in episodes.finished():
+            if e.request.request_id in self.requests:
+                self.outcomes[e.request.request_id] = (e.reward, e.exact_match)
+                self.left -= 1
+        episodes.take_stats()  # the evaluation's latencies are not the run's
 
     def take(self) -> list[dict[str, Any]]:
         out, self.results = self.results, []
@@ -107,7 +128,10 @@ class Evaluator:
             for kind, params in (("greedy", greedy), ("sampled", dataclasses.replace(job.params, seed=seed))):
                 req = GenerationRequest(f"eval/{job.eval_id}/{kind}/{i}", list(prompt), params)
                 self.requests[req.request_id] = (kind, item, req)
-                self.engine.add(req)
+                if self.episodes is not None:
+                    self.episodes.begin(req, PromptGroup(req.request_id, item, [], 1))
+                else:
+                    self.engine.add(req)
         self.left = len(self.requests)
         if self.left == 0:
             self._finish()
@@ -118,7 +142,12 @@ class Evaluator:
         sums = {"greedy": [0.0, 0.0], "sampled": [0.0, 0.0]}
         texts = [(kind, item, decode_response(self.tokenizer, req.output_ids))
                  for kind, item, req in self.requests.values()]
-        if self.rewards is None:
+        if self.episodes is not None:
+            for kind, _, req in self.requests.values():
+                reward, exact = self.outcomes.pop(req.request_id, (0.0, False))
+                sums[kind][0] += exact
+                sums[kind][1] += reward
+        elif self.rewards is None:
             for kind, item, text in texts:
                 scored = self.task.score(item, text)
                 sums[kind][0] += scored.exact_match

@@ -48,14 +48,16 @@ from laminar.types import GenerationRequest, PromptGroup, Trajectory
 log = logging.getLogger("laminar.rewards")
 
 
-def to_trajectory(req: GenerationRequest, group: PromptGroup, reward: float,
-                  exact_match: bool) -> Trajectory:
+def to_trajectory(req: GenerationRequest, group: PromptGroup, reward: float, exact_match: bool,
+                  loss_mask: list[int] | None = None, turns: int = 1) -> Trajectory:
     versions = req.token_versions
     return Trajectory(traj_id=req.request_id, group_id=group.group_id, prompt_ids=req.prompt_ids,
                       response_ids=req.output_ids, logprobs=req.logprobs,
                       version=versions[0] if versions else req.version,
                       reward=reward, exact_match=exact_match, finish_reason=req.finish_reason,
-                      token_versions=list(versions) if req.mixes_versions else None)
+                      token_versions=list(versions) if req.mixes_versions else None,
+                      loss_mask=loss_mask if loss_mask is not None and 0 in loss_mask else None,
+                      turns=turns)
 
 
 class Finisher:
@@ -172,6 +174,12 @@ def make_finisher(cfg: Config, task: Task, tokenizer: PreTrainedTokenizerBase,
     """The finisher of a rollout: reward workers for one-turn tasks, episodes for multi-turn."""
     from laminar.tasks.reward_pool import open_rewards
 
-    episodes = (Episodes(task, tokenizer, cfg.task.max_turns, cfg.task.env_timeout_s)
-                if task.multi_turn else None)
-    return Finisher(task, tokenizer, cfg.rollout.env_latency, seed, open_rewards(cfg.task), episodes)
+    return Finisher(task, tokenizer, cfg.rollout.env_latency, seed, open_rewards(cfg.task),
+                    make_episodes(cfg, task, tokenizer))
+
+
+def make_episodes(cfg: Config, task: Task, tokenizer: PreTrainedTokenizerBase) -> Episodes | None:
+    """Episodes of a multi-turn task (None for one-turn tasks)."""
+    if not task.multi_turn:
+        return None
+    return Episodes(task, tokenizer, cfg.task.max_turns, cfg.task.env_timeout_s)

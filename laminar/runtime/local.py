@@ -29,7 +29,7 @@ from laminar.pools.partials import PartialPool
 from laminar.pools.prompts import PromptPool, PromptSampler
 from laminar.pools.resume import RESUMED, deal_resumed, prepare_pools
 from laminar.rollout.evals import EvalJob, Evaluator
-from laminar.rollout.finish import make_finisher
+from laminar.rollout.finish import make_episodes, make_finisher
 from laminar.rollout.io import (BoardWeights, LocalBuffer, LocalPartials, LocalPrompts, RolloutIO,
                                 WeightBoard)
 from laminar.rollout.loop import RolloutLoop
@@ -128,7 +128,7 @@ class LocalRuntime:
                        LocalBuffer(self.buffer), BoardWeights(self.board))
         finisher = make_finisher(cfg, self.task, self.tokenizer, seed)
         evaluator = Evaluator.copying(engine, cfg.rollout.engine, self.tokenizer, self.task, seed,
-                                      finisher.rewards)
+                                      finisher.rewards, make_episodes(cfg, self.task, self.tokenizer))
         return RolloutLoop(rollout_id, engine, io, self.policy, finisher, sampling_params(cfg),
                            cfg.rollout, cfg.cluster.heartbeat_s, evaluator)
 
