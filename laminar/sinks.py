@@ -34,7 +34,7 @@ import yaml
 from laminar.config import ConfigError, MetricsConfig
 
 AXES = ("kind", "time", "step")  # row keys that place a value rather than being one
-DISTRIBUTIONS = ("staleness_hist", "env_latency_s")  # step-row keys logged as distributions
+DISTRIBUTIONS = ("staleness_hist", "env_latency_s", "turns")  # step-row keys logged as distributions
 PREFIX = {"step": "train", "eval": "heldout"}  # row kind -> tag prefix (the others: no scalars)
 
 
@@ -82,9 +82,9 @@ def distributions(row: dict[str, Any]) -> dict[str, np.ndarray]:
     hist = row.get("staleness_hist")
     if hist and sum(hist.values()):
         out["train/staleness_hist"] = staleness_values(hist)
-    delays = row.get("env_latency_s")
-    if delays:
-        out["train/env_latency_s"] = np.asarray(delays, dtype=float)
+    for key in ("env_latency_s", "turns"):
+        if row.get(key):
+            out[f"train/{key}"] = np.asarray(row[key], dtype=float)
     return out
 
 
@@ -210,10 +210,10 @@ class MlflowSink:
         if kind == "step":
             for k, n in (row.get("staleness_hist") or {}).items():
                 metrics[f"train/staleness_hist/{k}"] = float(n)
-            delays = row.get("env_latency_s")
-            if delays:
-                metrics["train/env_latency_s/p50"] = float(np.percentile(delays, 50))
-                metrics["train/env_latency_s/p99"] = float(np.percentile(delays, 99))
+            for key in ("env_latency_s", "turns"):
+                if row.get(key):
+                    metrics[f"train/{key}/p50"] = float(np.percentile(row[key], 50))
+                    metrics[f"train/{key}/p99"] = float(np.percentile(row[key], 99))
         metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}  # MLflow rejects NaN
         if metrics:
             self.mlflow.log_metrics(metrics, step=int(row.get("step", 0)))

@@ -50,6 +50,7 @@ class Follower:
         self.last_counters: dict[str, Any] = {}
         self.kv_samples: dict[str, list[float]] = {}
         self.env_latency: list[float] = []
+        self.turns: list[int] = []  # turns of multi-turn episodes ended since the last row
         self.last_manager: dict[str, Any] = rt.manager_stats()  # events are what changes
         self.chain: list[str] = self.last_manager["chain"]
         self.evals_asked: dict[str, tuple[str, EvalJob]] = {}  # id -> (rollout, job)
@@ -149,8 +150,9 @@ class Follower:
             "pulls": pulls, "pull_latency_s": pull_s / pulls if pulls else None,
             "repacks": manager["repacks"], "moved_trajectories": manager["moved_trajectories"],
             "env_latency_s": evenly(self.env_latency, 64),
+            "turns": evenly(self.turns, 64),
         }
-        self.kv_samples, self.env_latency = {}, []
+        self.kv_samples, self.env_latency, self.turns = {}, [], []
         every, total = self.cfg.trainer.eval_every, self.cfg.trainer.total_steps
         for row in rows:
             spans = row.pop("spans", [])
@@ -183,6 +185,7 @@ class Follower:
                                            "start": self.logger.since_start(span.start),
                                            "end": self.logger.since_start(span.end)})
             self.env_latency += rec["env_latency_s"]
+            self.turns += rec.get("turns", [])
 
     def _events(self, manager: dict[str, Any]) -> None:
         last = self.last_manager

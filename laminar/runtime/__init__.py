@@ -18,7 +18,7 @@ The driver API, the same for both:
     result(pending) -> value             raises TrainerRestarted if the trainer died meanwhile
     request_eval(job) -> rollout id      a held-out evaluation (laminar/rollout/evals.py), by
                                          the next rollout in turn
-    take_records(close) -> {rollout: {"evals", "spans", "env_latency_s"}}   since the last call
+    take_records(close) -> {rollout: {"evals", "spans", "env_latency_s", "turns"}}   since the last call
     idle(seconds)                        let the rollouts run (local: steps them)
     trainer_rows(since), snapshots(), manager_stats(), finish()
     start_version, cfg, started_at      (the unix time the rollouts were started: rows count from it)
