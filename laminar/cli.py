@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="modes only: runs of every mode (default 3; 1 with --quick)")
     p.add_argument("--no-control", dest="control", action="store_false", default=None,
                    help="modes only: skip the control runs with the env latency off")
+    p.add_argument("--task", default=None, choices=("reverse", "calc"),
+                   help="modes only: the workload: reverse (default; emulated tool latency) or "
+                        "calc (the agentic task: real sandboxed tool calls)")
     p.add_argument("--predicted", default=None, metavar="JSON",
                    help="modes only: the simulator's prediction for this machine (`laminar "
                         "simulate --calibration LOCAL.json --out JSON`), compared with the measured ratios")
@@ -115,11 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench":
             module = importlib.import_module(BENCHMARKS[args.name])
             extra = {"modes": args.modes, "steps": args.steps, "overrides": args.overrides,
-                     "repeats": args.repeats, "control": args.control, "predicted": args.predicted}
+                     "repeats": args.repeats, "control": args.control, "predicted": args.predicted,
+                     "task": args.task}
             if args.name == "modes":
-                module.main(quick=args.quick, out=args.out, **extra)
+                module.main(quick=args.quick, out=args.out, **{**extra, "task": args.task or "reverse"})
             elif any(v is not None and v != [] for v in extra.values()):
-                raise ConfigError("--modes, --steps, --repeats, --no-control, --predicted and --set apply to "
+                raise ConfigError("--modes, --steps, --repeats, --no-control, --predicted, --task and --set apply to "
                                   f"`laminar bench modes` only, not to `{args.name}`")
             else:
                 module.main(quick=args.quick, out=args.out)

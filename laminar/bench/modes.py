@@ -8,7 +8,13 @@ schedule (`trainer.eval_every_s`), and the benchmark reports when each first rea
 fixed by rule before the run: the warm start's score plus 90% of sync's final gain
 (laminar/bench/learning.py). Training tokens/s stands beside it.
 
-    laminar bench modes [--quick] [--repeats N] [--no-control] [--out FILE]
+    laminar bench modes [--task reverse|calc] [--quick] [--repeats N] [--no-control] [--out FILE]
+
+`--task calc` races the schedules on the built-in agentic task instead (CALC_WORKLOAD): real
+multi-turn episodes whose Python tool calls run in the sandbox, so the environment latency is
+measured, not emulated, and there is no env-latency-off control. Its JSON adds the environment
+call latencies and turns per episode over every run (env_latency_p50_s, env_latency_p99_s,
+turns_p50, turns_p99).
 
 Each mode runs `--repeats` times (3; the modes' order rotates every repeat) with the emulated
 environment latency on, then the same again with it off (the control: what asynchrony gives
@@ -55,6 +61,20 @@ WORKLOAD = [
     "metrics.tensorboard=false", "metrics.live=off",
 ]
 CONTROL = ["rollout.env_latency.enabled=false"]  # the control: no tool latency
+# The agentic workload (`--task calc`): the same shape of job on the calc task (examples/
+# calc.yaml), whose tool calls run real programs in the sandbox; no emulated latency.
+CALC_WORKLOAD = [
+    "model.preset=tiny", "rollout.num_workers=2", "cluster.virtual_nodes=2",
+    "task.name=calc", "task.max_turns=3", "task.eval_prompts=128",
+    "rollout.group_size=8", "rollout.batch_groups=4", "rollout.max_new_tokens=160",
+    "rollout.engine.max_batch_size=64", "rollout.engine.kv_capacity_tokens=12288",
+    "sft.steps=300", "sft.max_seconds=3600",
+    "trainer.prompts_per_step=32", "trainer.mini_batches=4", "trainer.lr=1e-4",
+    "trainer.threads=1", "rollout.threads=1",
+    "trainer.eval_every=0", "trainer.eval_every_s=10", "trainer.checkpoint_every=0",
+    "metrics.tensorboard=false", "metrics.live=off",
+]
+WORKLOADS = {"reverse": WORKLOAD, "calc": CALC_WORKLOAD}
 STEPS, QUICK_STEPS = 80, 12
 # Sync trains `steps` and so sets the held-out target; every other schedule may train this many
 # times as many, so that a schedule whose stale samples teach a little less per step still has
@@ -74,9 +94,10 @@ WARMUP_STEPS = 3  # the first updates include actor start-up and the first batch
 TRL_STEPS = 20  # TRL is timed, not raced to the target: tokens/s after warm-up
 
 
-def bench_config(mode: str, steps: int, run_dir: Path, overrides: list[str] = ()) -> Config:
+def bench_config(mode: str, steps: int, run_dir: Path, overrides: list[str] = (),
+                 task: str = "reverse") -> Config:
     algorithm = [f"trainer.old_logprobs={REFERENCE_OLD_LOGPROBS[mode]}"]
-    return load_config(None, WORKLOAD + algorithm + list(overrides) + [
+    return load_config(None, WORKLOADS[task] + algorithm + list(overrides) + [
         f"mode={mode}", f"trainer.total_steps={steps}", f"run_dir={run_dir}", f"name=bench-{mode}"])
 
 
@@ -114,13 +135,14 @@ def mode_steps(mode: str, steps: int) -> int:
     return steps if mode == "sync" else round(steps * RACE)
 
 
-def run_mode(mode: str, steps: int, root: Path, overrides: list[str] = ()) -> dict[str, Any]:
+def run_mode(mode: str, steps: int, root: Path, overrides: list[str] = (),
+             task: str = "reverse") -> dict[str, Any]:
     """One training run of `mode` (mode_steps of `steps`); everything the benchmark reports."""
     from laminar.bench.cpu import CpuMeter
     from laminar.modes import run_training
 
     steps = mode_steps(mode, steps)
-    cfg = bench_config(mode, steps, root / mode, overrides)
+    cfg = bench_config(mode, steps, root / mode, overrides, task)
     t0 = time.perf_counter()
     with CpuMeter() as cpu:
         run_training(cfg)
@@ -135,6 +157,8 @@ def run_mode(mode: str, steps: int, root: Path, overrides: list[str] = ()) -> di
             "steps": steps, "train_wall_s": rows[-1]["time"], "staleness": dict(sorted(hist.items())),
             "wall_s": round(time.perf_counter() - t0, 1), "breakdown": breakdown(rows),
             "old_logprobs": cfg.trainer.old_logprobs,
+            "env_latency_s": [x for r in rows for x in r.get("env_latency_s") or []],
+            "turns": [x for r in rows for x in r.get("turns") or []],
             "cpu": {"wall_s": round(cpu.wall_s, 1), "seconds": cpu.seconds,
                     "per_trained_ktoken": round(sum(cpu.seconds.values()) * 1000
                                                 / sum(r["batch_tokens"] for r in rows), 3)}}
@@ -160,12 +184,13 @@ def rotated(modes: list[str], repeat: int) -> list[str]:
 
 
 def run_condition(modes: list[str], steps: int, repeats: int, root: Path,
-                  overrides: list[str], label: str) -> dict[str, list[dict[str, Any]]]:
+                  overrides: list[str], label: str,
+                  task: str = "reverse") -> dict[str, list[dict[str, Any]]]:
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for r in range(repeats):
         for m in rotated(modes, r):
             print(f"bench modes: {label}, repeat {r + 1}/{repeats}, {m} ...", flush=True)
-            runs[m].append(run_mode(m, steps, root / f"{label}-{r}", overrides))
+            runs[m].append(run_mode(m, steps, root / f"{label}-{r}", overrides, task))
             res = runs[m][-1]
             print(f"  {m}: {res['throughput']:.0f} tok/s, held-out "
                   f"{_fmt(res['heldout_start'])} -> {_fmt(res['heldout_final'])} in "
@@ -186,7 +211,12 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                for r in rs] for m, rs in runs.items()}
     ttt_median = {m: learning.median_or_none(v) for m, v in ttt.items()}
     lam = ttt_median.get("laminar")
+    latency = [x for rs in runs.values() for r in rs for x in r.get("env_latency_s", [])]
+    turns = [x for rs in runs.values() for r in rs for x in r.get("turns", [])]
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
     return {
+        "env_latency_p50_s": pct(latency, 50), "env_latency_p99_s": pct(latency, 99),
+        "turns_p50": pct(turns, 50), "turns_p99": pct(turns, 99),
         "throughput_by_mode": {m: float(np.median(v)) for m, v in tput.items()},
         "throughput_by_mode_runs": tput,
         "ratio_laminar_vs": {m: float(np.median(v)) for m, v in paired.items() if v},
@@ -225,7 +255,7 @@ def _fmt(x: float | None, spec: str = ".3f", none: str = "-") -> str:
 def main(quick: bool = False, out: str | None = None, modes: str | None = None,
          steps: int | None = None, overrides: list[str] | None = None,
          repeats: int | None = None, control: bool | None = None,
-         predicted: str | None = None) -> dict[str, Any]:
+         predicted: str | None = None, task: str = "reverse") -> dict[str, Any]:
     import os
 
     import ray
@@ -236,11 +266,20 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
     chosen = parse_modes(modes)
     overrides = list(overrides or [])
     prediction = read_prediction(predicted) if predicted else None  # before anything runs
-    bench_config("laminar", 1, Path("/tmp"), overrides)  # a bad --set fails before anything runs
+    bench_config("laminar", 1, Path("/tmp"), overrides, task)  # a bad --set fails first
     steps = steps or (QUICK_STEPS if quick else STEPS)
     repeats = repeats or (1 if quick else 3)
-    control = (not quick) if control is None else control
+    control = (not quick and task == "reverse") if control is None else control
+    if control and task != "reverse":
+        from laminar.config import ConfigError
+
+        raise ConfigError(f"--task {task}: its environment latency is real, so there is no "
+                          "env-latency-off control; drop the control option")
     with_trl = "trl" in chosen
+    if with_trl and task != "reverse":
+        print(f"bench modes: skipping trl (its GRPOTrainer runs one-turn rewards, not the {task} "
+              "task's episodes)", flush=True)
+        with_trl = False
     if with_trl and not trl.available():
         print(f"bench modes: skipping trl. {trl.INSTALL_HINT}", flush=True)
         with_trl = False
@@ -251,18 +290,20 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
           f"runs in {root}", flush=True)
 
     # recorded before anything runs: the commit and tree the results come from
-    prov = provenance(config={m: bench_config(m, mode_steps(m, steps), root / m, overrides).model_dump(mode="json")
+    prov = provenance(config={m: bench_config(m, mode_steps(m, steps), root / m, overrides,
+                                              task).model_dump(mode="json")
                               for m in schedules})
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
-        on = run_condition(schedules, steps, repeats, root, overrides, "env-on")
+        on = run_condition(schedules, steps, repeats, root, overrides, "env-on", task)
         off = run_condition([m for m in schedules if m in CONTROL_MODES], steps, repeats, root,
                             overrides + CONTROL, "env-off") if control else None
     finally:
         ray.shutdown()
     report: dict[str, Any] = {
-        "workload": WORKLOAD + overrides, "control_overrides": CONTROL, "steps": steps,
+        "task": task, "workload": WORKLOADS[task] + overrides, "control_overrides": CONTROL,
+        "steps": steps,
         "steps_by_mode": {m: mode_steps(m, steps) for m in schedules},
         "quick": quick, "repeats": repeats, **summarize(on),
         "control_env_latency_off": summarize(off) if off else None,
@@ -275,7 +316,8 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
     if prediction:
         report["simulator_prediction"] = compare_prediction(prediction, report["ratio_laminar_vs"],
                                                             predicted)
-    report["runs"] = {m: [{k: v for k, v in r.items() if k not in ("heldout", "reward_curve")}
+    report["runs"] = {m: [{k: v for k, v in r.items()
+                           if k not in ("heldout", "reward_curve", "env_latency_s", "turns")}
                           for r in rs] for m, rs in on.items()}
     report["provenance"] = prov
     print_tables(report)
