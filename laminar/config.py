@@ -146,8 +146,10 @@ class EngineConfig(Section):
 
 
 class EnvLatencyConfig(Section):
-    enabled: bool = Field(False, description="Emulate a sandbox/tool call per trajectory: after "
-                          "generation, the trajectory waits a random latency before its reward.")
+    enabled: bool = Field(False, description="EMULATION, a benchmark knob: after generation, a "
+                          "one-turn trajectory waits a random latency before its reward, as if it "
+                          "called a tool. Real tools are environments (task.env, task.name=calc), "
+                          "whose measured latencies are reported instead.")
     median_s: float = Field(0.5, ge=0.0, description="Median latency of one call in seconds.")
     sigma: float = Field(1.0, ge=0.0, description="Log-normal sigma (the tail: p99 ~ exp(2.33 "
                          "sigma) x median, like the paper's Fig. 2 right).")

@@ -347,3 +347,25 @@ def test_rollout_loop_runs_episodes_and_repack_moves_them_with_their_environment
     assert b.counters.adopted == len(moved) and a.counters.exported == len(moved)
     records = a.take_records()
     assert records["turns"] or b.take_records()["turns"]
+
+
+def test_a_reward_is_the_one_turn_case_of_the_environment_api():
+    """RewardEnv through the episode loop scores what the one-turn reward path scores."""
+    from laminar.envs import RewardEnv
+    from laminar.tasks.rewards import similarity_reward
+
+    task = build_task(load_config(None, ["task.reverse.max_len=6"]).task)
+    tokenizer = build_char_tokenizer()
+    task.make_env = lambda: RewardEnv(similarity_reward)
+    eng = engine()
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=7)
+    items = task.train[:6]
+    ended = run_episodes(eng, Episodes(task, tokenizer, max_turns=4, timeout_s=5.0),
+                         [(GenerationRequest(f"r{i}", [], copy.copy(params)),
+                           PromptGroup(f"r{i}", it, [], 1)) for i, it in enumerate(items)])
+    for e in ended:
+        text = tokenizer.decode(e.request.output_ids, skip_special_tokens=True)
+        scored = task.score(e.group.item, text)
+        assert e.turns == 1 and e.loss_mask == [1] * len(e.request.output_ids)
+        assert (e.reward, e.exact_match) == (scored.reward, scored.exact_match)
+        assert e.request.prompt_ids == encode_prompt(tokenizer, e.group.item.prompt)
