@@ -1,0 +1,256 @@
+"""`Sandbox`: a warm pool of one-shot sandbox processes; `resolve_backend`; `shared_sandbox`."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import queue
+import shutil
+import threading
+import weakref
+from collections import deque
+from typing import Callable
+
+from laminar.config import SandboxConfig
+from laminar.sandbox.proc import SandboxProc
+from laminar.sandbox.result import RunResult, SandboxError
+
+log = logging.getLogger(__name__)
+
+_probe_lock = threading.Lock()
+_probes: dict[str, str | None] = {}  # backend -> None (works) or why it does not
+_warned_unsafe = False
+
+
+def probe(backend: str) -> str | None:
+    """None when `backend` can start a sandbox here, else why not. Tried once per process (a
+    real sandbox running `print('ok')`), then cached."""
+    with _probe_lock:
+        if backend in _probes:
+            return _probes[backend]
+        why: str | None
+        if backend == "bwrap" and shutil.which("bwrap") is None:
+            why = "bubblewrap (bwrap) is not installed"
+        else:
+            try:
+                r = SandboxProc.start(backend, SandboxConfig()).run("print('ok')", 20.0)
+                why = None if (r.status, r.stdout) == ("ok", "ok\n") else (
+                    f"a test run gave status {r.status}: {r.observation().strip()[:300]}")
+            except SandboxError as e:
+                why = str(e)
+            except OSError as e:
+                why = f"{type(e).__name__}: {e}"
+        _probes[backend] = why
+        return why
+
+
+def resolve_backend(cfg: SandboxConfig) -> str:
+    """The backend `cfg` means here: "bwrap", "unshare" or "unsafe". `auto` is bwrap when it is
+    installed and works, else unshare when the kernel allows its namespaces, else unsafe when
+    `allow_unsafe` (logged once), else SandboxError."""
+    global _warned_unsafe
+    b = cfg.backend
+    if b == "unsafe":
+        if not cfg.allow_unsafe:
+            raise SandboxError("sandbox.backend=unsafe runs untrusted code without isolation and "
+                               "is refused unless sandbox.allow_unsafe=true; set it only where the "
+                               "code is trusted, else use sandbox.backend=auto")
+        return "unsafe"
+    if b in ("bwrap", "unshare"):
+        why = probe(b)
+        if why is not None:
+            other = "unshare" if b == "bwrap" else "bwrap"
+            raise SandboxError(f"sandbox.backend={b} cannot run here ({why}); try "
+                               f"sandbox.backend={other} or auto, or (no isolation) "
+                               "sandbox.backend=unsafe with sandbox.allow_unsafe=true")
+        return b
+    if b != "auto":
+        raise SandboxError(f"sandbox.backend={b!r} is not one of auto, bwrap, unshare, unsafe")
+    reasons = []
+    for cand in ("bwrap", "unshare"):
+        why = probe(cand)
+        if why is None:
+            return cand
+        reasons.append(f"{cand}: {why}")
+    if cfg.allow_unsafe:
+        if not _warned_unsafe:
+            _warned_unsafe = True
+            log.warning("sandbox: no isolation available (%s); sandbox.allow_unsafe=true, so "
+                        "untrusted code runs as a plain subprocess with rlimits only",
+                        "; ".join(reasons))
+        return "unsafe"
+    raise SandboxError("sandbox.backend=auto found no isolation here (" + "; ".join(reasons)
+                       + "); run where namespaces are allowed (e.g. a container with "
+                       "--security-opt seccomp=unconfined or user namespaces enabled) or install "
+                       "bubblewrap, or accept no isolation with sandbox.allow_unsafe=true")
+
+
+class _Spawner:
+    """One long-lived thread that starts the warm sandboxes. Each sandbox's outer process dies
+    with the thread that forked it (PR_SET_PDEATHSIG), so warm ones must come from a thread
+    that lives as long as the process."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue[Callable[[], None]] = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self.lock:
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._loop, name="sandbox-spawner",
+                                               daemon=True)
+                self.thread.start()
+        self.q.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            job = self.q.get()
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - a failed spawn must not end the thread
+                log.exception("sandbox: starting a warm sandbox failed")
+
+
+_spawner = _Spawner()
+_live: "weakref.WeakSet[Sandbox]" = weakref.WeakSet()
+
+
+class Sandbox:
+    """Runs untrusted Python, one fresh sandbox process per call, `cfg.warm` kept ready.
+
+    run() blocks and returns a RunResult whatever the code does; it raises SandboxError only
+    when the sandbox cannot start (or after close()). Thread-safe. arun() is the asyncio form.
+    close() kills the warm processes (a run in flight finishes); it is idempotent and also
+    runs at exit.
+    """
+
+    def __init__(self, cfg: SandboxConfig | None = None):
+        self.cfg = cfg or SandboxConfig()
+        self.backend = resolve_backend(self.cfg)
+        self._lock = threading.Lock()
+        self._idle: deque[SandboxProc] = deque()
+        self._starting = 0
+        self._closed = False
+        self._failures = 0  # warm starts that failed in a row (no refill storm)
+        _live.add(self)
+        self._refill()
+
+    # ------------------------------------------------------------------ pool
+    def _refill(self) -> None:
+        with self._lock:
+            if self._closed or self._failures >= 3:
+                return
+            need = self.cfg.warm - len(self._idle) - self._starting
+            self._starting += max(0, need)
+        for _ in range(max(0, need)):
+            _spawner.submit(self._start_one)
+
+    def _start_one(self) -> None:
+        proc = None
+        try:
+            proc = SandboxProc.start(self.backend, self.cfg)
+        except Exception as e:  # noqa: BLE001
+            log.warning("sandbox: a warm %s sandbox failed to start: %s", self.backend, e)
+        with self._lock:
+            self._starting -= 1
+            if proc is None:
+                self._failures += 1
+                return
+            if not self._closed:
+                self._idle.append(proc)
+                return
+        proc.kill()
+
+    def _take(self) -> SandboxProc | None:
+        with self._lock:
+            if self._closed:
+                raise SandboxError("this Sandbox is closed")
+            proc = self._idle.popleft() if self._idle else None
+        self._refill()
+        return proc
+
+    # ------------------------------------------------------------------ run
+    def run(self, code: str, timeout_s: float | None = None) -> RunResult:
+        """Run `code` in a fresh sandbox; wall-clock limit `timeout_s` (default cfg.timeout_s)."""
+        t = self.cfg.timeout_s if timeout_s is None else float(timeout_s)
+        if not t > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        proc = self._take()
+        if proc is not None:
+            try:
+                result = proc.run(code, t)
+                with self._lock:
+                    self._failures = 0
+                return result
+            except SandboxError as e:  # a warm one that broke: one cold try before giving up
+                log.warning("sandbox: a warm sandbox was unusable (%s); starting a fresh one", e)
+        return SandboxProc.start(self.backend, self.cfg).run(code, t)
+
+    async def arun(self, code: str, timeout_s: float | None = None) -> RunResult:
+        """run() in the event loop's default thread pool."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.run, code, timeout_s)
+
+    # ------------------------------------------------------------------ end
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = list(self._idle), deque()
+        for p in idle:
+            p.kill()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Sandbox(backend={self.backend!r}, warm={self.cfg.warm}, "
+                f"idle={len(self._idle)}, closed={self._closed})")
+
+
+_shared_lock = threading.Lock()
+_shared: dict[str, Sandbox] = {}
+
+
+def shared_sandbox(cfg: SandboxConfig | None = None) -> Sandbox:
+    """One Sandbox per process per configuration, for environments to share."""
+    cfg = cfg or SandboxConfig()
+    key = cfg.model_dump_json()
+    with _shared_lock:
+        sb = _shared.get(key)
+        if sb is None or sb.closed:
+            sb = _shared[key] = Sandbox(cfg)
+        return sb
+
+
+@atexit.register
+def _close_all() -> None:
+    for sb in list(_live):
+        try:
+            sb.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (multiprocessing's fork) gets fresh locks, a fresh spawner and empty
+    pools: the parent's warm sandboxes stay the parent's (proc.py closes our pipe copies)."""
+    global _spawner, _shared_lock, _probe_lock
+    _spawner = _Spawner()
+    _shared_lock = threading.Lock()
+    _probe_lock = threading.Lock()
+    for sb in list(_live):
+        sb._lock = threading.Lock()
+        sb._idle = deque()
+        sb._starting = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
