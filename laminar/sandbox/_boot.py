@@ -3,7 +3,8 @@
 Run by the host (laminar/sandbox/proc.py) with a clean environment, stdin = the code pipe,
 stdout = stderr = the output pipe, and two more pipes: CTL (to the host, shared with the
 sandbox: `R` ready, `E <line>` the program's exception, `F <why>` set-up failed) and REP
-(this outer process only: `P <pid>` the sandbox's host pid, `W <wait status>` its end).
+(this outer process and the sandbox's init only: `P <pid>` the init's host pid, `X <wait
+status>` the program's end as its init saw it, `W <wait status>` the init's end).
 
 The outer process (this one, in the host's namespaces):
   1. PR_SET_PDEATHSIG(SIGTERM): it ends with the host thread that started it;
@@ -22,8 +23,9 @@ The init (pid 1), still privileged inside its namespaces, builds the root and dr
     remounted read-only, hostname `sandbox`;
   - no supplementary groups, setresgid/setresuid to the plan's unprivileged uid (this clears
     every capability), PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG(SIGKILL) (it dies with the outer);
-  - closes every descriptor but 0, 1, 2 and CTL (moved to 3), and execs the plan's Python on
-    the stage-2 program with a clean environment (`_stage2.py`: rlimits, then the code).
+  - closes every descriptor but 0, 1, 2, CTL (moved to 3) and REP (4), and execs the plan's
+    Python on the stage-2 program with a clean environment (`_stage2.py`: rlimits, then a fork:
+    the program runs as pid 2, the stage-2 parent stays pid 1 and reports its end on REP).
 """
 import ctypes
 import json
@@ -160,8 +162,9 @@ def build_root(plan):
     mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def init(plan, ctl):
-    """pid 1 of the new pid namespace: build the root, drop privilege, exec stage 2."""
+def init(plan, ctl, rep):
+    """pid 1 of the new pid namespace: build the root, drop privilege, exec stage 2 (which
+    forks the program's process and stays as the init: `_stage2.py`)."""
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -175,13 +178,15 @@ def init(plan, ctl):
         prctl(PR_SET_NO_NEW_PRIVS, 1)
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # cleared by the uid change: set after it
         os.chdir("/tmp")
-        if ctl != 3:
-            os.dup2(ctl, 3)
-        os.set_inheritable(3, True)
-        os.closerange(4, 1 << 16)
+        ctl2, rep2 = os.dup(ctl), os.dup(rep)
+        os.dup2(ctl2, 3)
+        os.dup2(rep2, 4)
+        os.set_inheritable(3, True)  # dup2(fd, fd) when dup() gave 3 or 4 keeps FD_CLOEXEC
+        os.set_inheritable(4, True)
+        os.closerange(5, 1 << 16)
+        spec = {"ctl": 3, "rep": 4, "limits": plan["limits"], "drop": None}
         exe = plan["python"]
-        os.execve(exe, [exe, "-I", "-S", "-c", plan["stage2"], "3", json.dumps(plan["limits"])],
-                  plan["env"])
+        os.execve(exe, [exe, "-I", "-S", "-c", plan["stage2"], json.dumps(spec)], plan["env"])
     except BaseException as e:  # noqa: BLE001 - report every failure to the host
         try:
             os.write(ctl, f"F sandbox set-up failed: {e}\n".encode()[:2000])
@@ -222,8 +227,7 @@ def main():
         os._exit(2)
     pid = os.fork()
     if pid == 0:
-        os.close(rep)
-        init(plan, ctl)
+        init(plan, ctl, rep)
     child = pid
     os.close(ctl)
     null = os.open(os.devnull, os.O_RDWR)

@@ -1,17 +1,27 @@
-"""The sandboxed interpreter's own program (`python -I -S -c <this source> CTL LIMITS [DROP]`).
+"""The sandboxed interpreter's own program: `python -I -S -c <this source> SPEC_JSON`.
 
 Standard library only: inside the sandbox nothing of laminar is visible. The host passes this
-file's text on the command line. It drops to DROP = [uid, gid] when given (bwrap started by
-root, with CAP_SETUID/CAP_SETGID only), lowers its rlimits, says it is ready (`R` on the control
-descriptor CTL), reads the untrusted program from stdin (`<length>\\n<utf-8 bytes>`), then runs it as
-`__main__`. An exception prints its traceback (without this file's frame) to stderr and sends
-its last line (`E <line>`) on CTL, then exits 1. stdout is line-buffered and stderr is the same
-pipe, so prints and tracebacks arrive in the order they were written.
+file's text on the command line. SPEC = {"ctl": fd, "rep": fd | null, "limits": [[name, soft,
+hard]...], "drop": [uid, gid] | null}.
+
+1. `drop` (bwrap started by root, which keeps only CAP_SETUID/CAP_SETGID for this): no
+   supplementary groups, setresgid/setresuid to the sandbox uid; that clears every capability.
+2. The rlimits (lowering is always allowed).
+3. With `rep`: fork. The parent stays as a small init: it ignores what it can, makes itself
+   non-dumpable (the program, same uid, cannot ptrace it), reaps children until the program's
+   process ends, writes `X <wait status>` on `rep` (a pipe only it holds) and exits, which ends
+   the namespace. The program so never runs as a pid namespace's init, where the kernel drops
+   default-action signals such as SIGXCPU (the CPU limit).
+4. The program's process says `R` on `ctl` (the host waits for it), reads `<length>\\n<utf-8>`
+   from stdin and runs it as `__main__` with stdout line-buffered; stderr is the same pipe, so
+   output keeps its order. An exception prints its traceback (without this file's frame) and
+   sends its last line as `E <line>` on `ctl`, then exits 1.
 """
 import json
 import linecache
 import os
 import resource
+import signal
 import sys
 import traceback
 import types
@@ -28,14 +38,46 @@ def _limits(spec):
             resource.setrlimit(res, (min(soft, resource.getrlimit(res)[1]),) * 2)
 
 
+def _init(child, rep):
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
+              signal.SIGALRM, signal.SIGXCPU):
+        signal.signal(s, signal.SIG_IGN)
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
+    except Exception:  # noqa: BLE001
+        pass
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(0)
+        if pid == child:
+            break
+    try:
+        os.write(rep, b"X %d\n" % status)
+    finally:
+        os._exit(0)
+
+
 def _main():
-    ctl = int(sys.argv[1])
-    if len(sys.argv) > 3:  # bwrap run by root: drop to the sandbox's uid (clears every capability)
-        uid, gid = json.loads(sys.argv[3])
+    spec = json.loads(sys.argv[1])
+    ctl = spec["ctl"]
+    if spec.get("drop"):
+        uid, gid = spec["drop"]
         os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
-    _limits(json.loads(sys.argv[2]))
+    _limits(spec["limits"])
+    rep = spec.get("rep")
+    if rep is not None:
+        child = os.fork()
+        if child:
+            _init(child, rep)
+        os.close(rep)
     os.write(ctl, b"R\n")
     head = b""
     while not head.endswith(b"\n"):  # "<length>\n" then the code: no need to wait for EOF

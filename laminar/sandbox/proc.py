@@ -203,7 +203,9 @@ class SandboxProc:
             child_fds.append(rep_w)
             argv, pass_fds = self._unshare_argv(ctl_w, rep_w)
         elif self.backend == "bwrap":
-            argv, pass_fds, extra_close, kw = self._bwrap_argv(ctl_w)
+            self.rep_r, rep_w = self._pipe()
+            child_fds.append(rep_w)
+            argv, pass_fds, extra_close, kw = self._bwrap_argv(ctl_w, rep_w)
         elif self.backend == "unsafe":
             argv, pass_fds, kw = self._unsafe_argv(ctl_w)
         else:
@@ -238,7 +240,7 @@ class SandboxProc:
                 "env": SANDBOX_ENV}
         return [python_executable(), "-I", "-S", BOOT, json.dumps(plan)], (ctl_w, rep_w)
 
-    def _bwrap_argv(self, ctl_w: int):
+    def _bwrap_argv(self, ctl_w: int, rep_w: int):
         bwrap = shutil.which("bwrap")
         if bwrap is None:
             raise SandboxError("sandbox.backend=bwrap but bubblewrap (bwrap) is not installed; "
@@ -253,10 +255,10 @@ class SandboxProc:
             argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
                     "--unshare-cgroup-try", "--cap-drop", "ALL", "--cap-add", "CAP_SETUID",
                     "--cap-add", "CAP_SETGID"]
-            drop = [json.dumps([uid, gid])]
+            drop = [uid, gid]
         else:
             argv = [bwrap, "--unshare-all", "--uid", str(uid), "--gid", str(gid)]
-            drop = []
+            drop = None
         argv += ["--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]
         for k, v in SANDBOX_ENV.items():
             argv += ["--setenv", k, v]
@@ -277,14 +279,15 @@ class SandboxProc:
             opened.append(fd)
             os.write(fd, text.encode())
             os.lseek(fd, 0, os.SEEK_SET)
-            argv += ["--ro-bind-data", str(fd), "/etc/" + name]
+            argv += ["--perms", "0644", "--ro-bind-data", str(fd), "/etc/" + name]
         argv += ["--dev", "/dev", "--proc", "/proc",
                  "--perms", "0700", "--size", str(self.cfg.scratch_mb << 20), "--tmpfs", "/tmp"]
         if root:
             argv += ["--chmod", "1777", "/tmp"]  # stage 2 is root until it drops
+        spec = {"ctl": ctl_w, "rep": rep_w, "limits": _limits(self.cfg), "drop": drop}
         argv += ["--remount-ro", "/", "--chdir", "/tmp", "--", python_executable(), "-I", "-S",
-                 "-c", STAGE2, str(ctl_w), json.dumps(_limits(self.cfg))] + drop
-        return argv, tuple([ctl_w] + opened), opened, {}
+                 "-c", STAGE2, json.dumps(spec)]
+        return argv, tuple([ctl_w, rep_w] + opened), opened, {}
 
     def _unsafe_argv(self, ctl_w: int):
         exe = python_executable()
@@ -296,7 +299,8 @@ class SandboxProc:
             kw.update(user=self.uid, group=self.uid, extra_groups=[])
         env = dict(SANDBOX_ENV, HOME=self.scratch, TMPDIR=self.scratch)
         kw["env"] = env
-        argv = [exe, "-I", "-S", "-c", STAGE2, str(ctl_w), json.dumps(_limits(self.cfg))]
+        spec = {"ctl": ctl_w, "rep": None, "limits": _limits(self.cfg), "drop": None}
+        argv = [exe, "-I", "-S", "-c", STAGE2, json.dumps(spec)]
         return argv, (ctl_w,), kw
 
     # ------------------------------------------------------------------ helpers
@@ -501,19 +505,20 @@ class SandboxProc:
         return last
 
     def _exit_code(self) -> int | None:
-        """The program's exit code, minus the signal that ended it."""
-        if self.backend == "unshare":
-            for line in self._rep.decode("ascii", "replace").splitlines():
-                if line.startswith("W "):
+        """The program's exit code, minus the signal that ended it: as the sandbox's init saw
+        it (X), else as the outer process saw the init (W), else the process's own code."""
+        lines = self._rep.decode("ascii", "replace").splitlines()
+        for tag in ("X ", "W "):
+            for line in lines:
+                if line.startswith(tag):
                     try:
                         return os.waitstatus_to_exitcode(int(line[2:]))
                     except ValueError:
                         return None
+        if self.backend == "unshare":
             return None
         rc = self.popen.returncode if self.popen else None
-        if rc is None:
-            return None
-        if self.backend == "bwrap" and rc > 128 and not self._exception():
+        if rc is not None and self.backend == "bwrap" and rc > 128 and not self._exception():
             return -(rc - 128)  # bwrap reports a signal as 128 + its number
         return rc
 

@@ -1,0 +1,376 @@
+"""laminar.sandbox: untrusted code is contained and the host is unaffected (real processes).
+
+Every attack runs against each isolating backend: `unshare` (laminar's own namespaces) and
+`bwrap` (skipped where bubblewrap is not installed). A backend the kernel refuses here is
+skipped with the reason. The leftover-process checks use the sandbox's own host uid, which is
+unique per sandbox when the host is root (the code prints it first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+
+from laminar.config import SandboxConfig
+from laminar.sandbox import RunResult, Sandbox, SandboxError, probe, resolve_backend, shared_sandbox
+from laminar.sandbox.proc import UID_BASE, UID_SPAN
+
+ROOT = os.geteuid() == 0
+SECRET = "laminar-test-secret-7f3a9c"
+
+
+def _cfg(backend: str, **kw) -> SandboxConfig:
+    base = dict(backend=backend, timeout_s=5.0, cpu_s=3, memory_mb=256, max_procs=16,
+                max_file_mb=1, scratch_mb=4, max_output_bytes=4096, warm=2)
+    base.update(kw)
+    return SandboxConfig(**base)
+
+
+def _need(backend: str) -> None:
+    if backend == "bwrap" and shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap (bwrap) is not installed")
+    why = probe(backend)
+    if why is not None:
+        pytest.skip(f"the kernel refuses the {backend} sandbox here: {why}")
+
+
+@pytest.fixture(scope="module", params=["unshare", "bwrap"])
+def sb(request):
+    _need(request.param)
+    s = Sandbox(_cfg(request.param))
+    yield s
+    s.close()
+
+
+def _uid_of(r: RunResult) -> int:
+    return int(r.stdout.split("\n", 1)[0])
+
+
+def _procs_of_uid(uid: int) -> list[int]:
+    out = []
+    for p in psutil.process_iter(["uids"]):
+        try:
+            if p.info["uids"] and p.info["uids"].real == uid:
+                out.append(p.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _assert_no_leftovers(r: RunResult) -> None:
+    """Nothing of that run is left: its uid (unique per sandbox on a root host) owns no process."""
+    if not ROOT:
+        return
+    uid = _uid_of(r)
+    assert UID_BASE <= uid < UID_BASE + UID_SPAN
+    deadline = time.monotonic() + 2.0
+    while _procs_of_uid(uid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _procs_of_uid(uid) == []
+
+
+# --------------------------------------------------------------------------- basics
+def test_print_and_result_fields(sb):
+    r = sb.run("print(2**100)")
+    assert isinstance(r, RunResult)
+    assert (r.stdout, r.status, r.exit_code, r.error, r.truncated) == (
+        "1267650600228229401496703205376\n", "ok", 0, None, False)
+    assert r.observation() == r.stdout and 0 < r.wall_s < 5
+
+
+def test_exception_gives_last_traceback_line(sb):
+    r = sb.run("print('before')\ndef f():\n    raise ValueError('bad value')\nf()\n")
+    assert r.status == "error" and r.exit_code == 1
+    assert r.error == "ValueError: bad value"
+    assert r.stdout.startswith("before\nTraceback (most recent call last):")
+    assert 'File "<sandbox>", line 3, in f' in r.stdout and "_stage2" not in r.stdout
+    assert r.observation().rstrip().endswith("ValueError: bad value")
+    r = sb.run("x = (1,\n")
+    assert r.status == "error" and r.error.startswith("SyntaxError:")
+    r = sb.run("import sys; print('x'); sys.exit(3)")
+    assert (r.status, r.exit_code, r.error) == ("error", 3, "exit code 3")
+    assert r.observation() == "x\nexit code 3"
+
+
+def test_unprivileged_clean_and_limited(sb):
+    r = sb.run(
+        "import os, resource\n"
+        "st = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines())\n"
+        "print(os.getuid(), os.getgid(), os.getgroups(), os.getpid())\n"
+        "print(st['CapEff'].strip(), st['CapPrm'].strip(), st['NoNewPrivs'].strip())\n"
+        "print(sorted(os.environ), os.getcwd(), open('/etc/hostname').read().strip())\n"
+        "print([resource.getrlimit(getattr(resource, 'RLIMIT_' + n))[0]\n"
+        "       for n in ('CPU', 'AS', 'NPROC', 'FSIZE', 'CORE')])\n"
+        "print(sorted(os.listdir('/')))\n")
+    assert r.status == "ok", r.observation()
+    ids, caps, env, limits, top = r.stdout.splitlines()
+    uid, gid, groups, pid = ids.split(" ", 3)
+    assert int(uid) != 0 and int(gid) != 0 and groups == "[]"
+    assert pid in ("2", "3")  # its own pid namespace: after the init (and bwrap's)
+    assert caps == "0000000000000000 0000000000000000 1"
+    assert env.startswith("['HOME', 'LANG', 'LC_ALL', 'PATH'") and env.endswith(" /tmp sandbox")
+    assert limits == str([3, 256 << 20, 16, 1 << 20, 0])
+    assert eval(top) == sorted(set(eval(top)) & {"bin", "dev", "etc", "lib", "lib32", "lib64",
+                                                 "libx32", "proc", "root", "sbin", "tmp", "usr"})
+
+
+# --------------------------------------------------------------------------- attacks
+def test_network_is_unreachable(sb):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        r = sb.run(
+            "import socket\n"
+            f"s = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+            "print('CONNECTED')\n")
+        assert r.status == "error" and "CONNECTED" not in r.stdout
+        assert r.error.split(":")[0] in ("OSError", "ConnectionRefusedError", "TimeoutError")
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing ever reached the host's listener
+    r = sb.run("import socket\nprint(sorted(n for _, n in socket.if_nameindex()))")
+    assert r.stdout == "['lo']\n", r.observation()
+
+
+def test_fork_bomb_is_contained(sb):
+    r = sb.run("import os\nprint(os.getuid(), flush=True)\nwhile True:\n    os.fork()\n",
+               timeout_s=5)
+    assert r.status in ("error", "killed", "timeout", "output_limit"), r
+    assert r.wall_s < 5.5
+    _assert_no_leftovers(r)
+    assert subprocess.run(["true"]).returncode == 0  # the host can still start processes
+    assert sb.run("print(1)").stdout == "1\n"
+
+
+def test_memory_limit_gives_memory_error(sb):
+    r = sb.run("x = bytearray(10 * 1024**3)\nprint('allocated')")
+    assert r.status == "error" and r.error == "MemoryError", r
+    assert "allocated" not in r.stdout and r.observation().rstrip().endswith("MemoryError")
+
+
+def test_only_scratch_is_writable(sb):
+    r = sb.run(
+        "import os\n"
+        "for p in ('/usr/x', '/etc/x', '/x', '/root/x', '/dev/x', '/dev/shm/x',\n"
+        "          '/proc/sys/kernel/hostname'):\n"
+        "    try:\n"
+        "        with open(p, 'w') as f:\n"
+        "            f.write('pwned')\n"
+        "        print('WROTE', p)\n"
+        "    except OSError as e:\n"
+        "        print('refused', p, type(e).__name__)\n"
+        "open('note.txt', 'w').write('kept')\n"
+        "print(os.getcwd(), open('/tmp/note.txt').read())\n"
+        "try:\n"
+        "    open('big', 'wb').write(b'x' * (2 << 20))\n"
+        "except OSError as e:\n"
+        "    print('big file refused', e.errno)\n")
+    assert r.status == "ok", r.observation()
+    assert "WROTE" not in r.stdout and r.stdout.count("refused /") == 7
+    assert "/tmp kept\n" in r.stdout
+    assert "big file refused 27" in r.stdout  # EFBIG: RLIMIT_FSIZE (max_file_mb=1)
+    assert not os.path.exists("/usr/x") and not os.path.exists("/x")
+
+
+def test_host_files_and_secrets_are_invisible(tmp_path, monkeypatch):
+    run_dir = tmp_path / "runs" / "job"
+    run_dir.mkdir(parents=True)
+    secret_file = run_dir / "relay.secret"
+    secret_file.write_text(SECRET)
+    shm = f"/dev/shm/laminar-test-{os.getpid()}"
+    if os.path.isdir("/dev/shm"):
+        with open(shm, "w") as f:
+            f.write(SECRET)
+    monkeypatch.setenv("LAMINAR_RELAY_SECRET", SECRET)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    code = (
+        "import os, glob\n"
+        f"print('env', os.environ.get('LAMINAR_RELAY_SECRET'), os.environ.get('RAY_ADDRESS'))\n"
+        f"for p in ({str(secret_file)!r}, {str(run_dir)!r}, '/work', '/root/.ssh', {shm!r},\n"
+        f"          {os.getcwd()!r}, '/proc/{os.getpid()}/environ', '/home', '/run'):\n"
+        "    print(p, os.path.exists(p))\n"
+        "leak = []\n"
+        "for p in glob.glob('/proc/[0-9]*/environ') + glob.glob('/proc/[0-9]*/cmdline'):\n"
+        "    try:\n"
+        f"        if b{SECRET!r} in open(p, 'rb').read():\n"
+        "            leak.append(p)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print('leak', leak)\n")
+    for backend in ("unshare", "bwrap"):
+        if (backend == "bwrap" and shutil.which("bwrap") is None) or probe(backend) is not None:
+            continue
+        with Sandbox(_cfg(backend, warm=1)) as s:  # started after the secret was set
+            r = s.run(code)
+            assert r.status == "ok", r.observation()
+            lines = r.stdout.splitlines()
+            assert lines[0] == "env None None"
+            assert all(line.endswith(" False") for line in lines[1:-1]), r.stdout
+            assert lines[-1] == "leak []"
+            assert SECRET not in r.stdout
+    if os.path.exists(shm):
+        os.unlink(shm)
+    _need("unshare")
+
+
+def test_infinite_loop_times_out_and_is_killed(sb):
+    t = time.monotonic()
+    r = sb.run("import os\nprint(os.getuid(), flush=True)\nwhile True:\n    pass\n",
+               timeout_s=1.0)
+    assert (r.status, r.error, r.exit_code) == ("timeout", "timeout after 1 s", None)
+    assert 1.0 <= r.wall_s < 1.5 and time.monotonic() - t < 3
+    assert r.observation().endswith("\ntimeout after 1 s")
+    _assert_no_leftovers(r)
+
+
+def test_cpu_limit_kills(sb):
+    r = sb.run("while True:\n    pass\n", timeout_s=4.0)  # cpu_s=3 < timeout: SIGXCPU
+    assert r.status == "killed" and r.exit_code == -24 and "SIGXCPU" in r.error, r
+
+
+def test_huge_output_is_cut_fast(sb):
+    r = sb.run("import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(100):\n"
+               "    sys.stdout.write(chunk)\nprint('END')\n")
+    assert (r.status, r.truncated, r.exit_code) == ("output_limit", True, None)
+    assert r.stdout == "x" * 4096 and r.error == "output over 65536 bytes"
+    assert r.wall_s < 2.0
+    assert r.observation().endswith("[output truncated]\noutput over 65536 bytes")
+    r = sb.run("print('y' * 5000)\nprint('done')")
+    assert (r.status, r.truncated) == ("ok", True) and r.stdout == "y" * 4096
+    assert r.observation() == "y" * 4096 + "\n[output truncated]"
+
+
+def test_descendants_do_not_outlive_the_program(sb):
+    marker = f"{1000 + os.getpid() % 1000}.{time.monotonic_ns() % 10**6}"
+    code = ("import ctypes, os, time\n"
+            "print(os.getuid(), flush=True)\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            "    ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # no parent-death signal\n"
+            f"    os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+            "print('parent done')\n")
+    r = sb.run(code)
+    assert r.status == "ok" and r.stdout.endswith("parent done\n"), r.observation()
+    assert r.wall_s < 2.0  # the stray child holding stdout does not hold the run up
+    _assert_no_leftovers(r)
+    time.sleep(0.1)
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if marker in " ".join(p.info["cmdline"] or [])]
+
+
+# --------------------------------------------------------------------------- pool & API
+def test_concurrent_calls_from_threads(sb):
+    with ThreadPoolExecutor(8) as ex:
+        results = list(ex.map(lambda i: sb.run(f"print({i} * {i})"), range(24)))
+    assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(24)]
+    assert all(r.status == "ok" for r in results)
+
+
+def test_arun(sb):
+    async def main():
+        return await asyncio.gather(*(sb.arun(f"print({i})", timeout_s=5) for i in range(4)))
+
+    assert [r.stdout for r in asyncio.run(main())] == ["0\n", "1\n", "2\n", "3\n"]
+
+
+def test_close_leaves_no_processes():
+    _need("unshare")
+    s = Sandbox(_cfg("unshare", warm=3))
+    deadline = time.monotonic() + 10
+    while len(s._idle) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for p in list(s._idle):
+        p.wait_ready()
+    me = psutil.Process()
+    tree = [p for p in me.children(recursive=True)
+            if p.pid in {q.popen.pid for q in s._idle} or
+            any(a.pid in {q.popen.pid for q in s._idle} for a in p.parents())]
+    assert len(tree) >= 6  # an outer process and the sandbox's init per warm sandbox
+    assert s.run("print('used')").stdout == "used\n"
+    s.close()
+    s.close()  # idempotent
+    gone, alive = psutil.wait_procs(tree, timeout=3)
+    assert alive == []
+    with pytest.raises(SandboxError, match="closed"):
+        s.run("print(1)")
+
+
+def test_shared_sandbox_is_cached_per_config():
+    _need("unshare")
+    a = shared_sandbox(_cfg("unshare", warm=0))
+    assert shared_sandbox(_cfg("unshare", warm=0)) is a
+    b = shared_sandbox(_cfg("unshare", warm=0, timeout_s=2.0))
+    assert b is not a and b.backend == "unshare"
+    a.close()
+    assert shared_sandbox(_cfg("unshare", warm=0)) is not a
+    for s in (b, shared_sandbox(_cfg("unshare", warm=0))):
+        s.close()
+
+
+def test_warm_pool_is_faster_than_cold():
+    _need("unshare")
+    with Sandbox(_cfg("unshare", warm=1)) as warm, Sandbox(_cfg("unshare", warm=0)) as cold:
+        def best(s):
+            times = []
+            for _ in range(3):
+                time.sleep(0.15)  # let the replacement warm sandbox get ready
+                t = time.perf_counter()
+                assert s.run("print(1)").stdout == "1\n"
+                times.append(time.perf_counter() - t)
+            return min(times)
+
+        assert best(warm) < best(cold)
+
+
+# --------------------------------------------------------------------------- backends
+def test_unsafe_is_refused_without_allow_unsafe():
+    with pytest.raises(SandboxError, match=r"sandbox\.backend=unsafe.*sandbox\.allow_unsafe"):
+        resolve_backend(SandboxConfig(backend="unsafe"))
+    with pytest.raises(SandboxError, match="allow_unsafe"):
+        Sandbox(SandboxConfig(backend="unsafe"))
+
+
+def test_unsafe_backend_when_allowed():
+    cfg = SandboxConfig(backend="unsafe", allow_unsafe=True, warm=0, max_output_bytes=64)
+    assert resolve_backend(cfg) == "unsafe"
+    with Sandbox(cfg) as s:
+        r = s.run("import os\nprint(2**10, 'LAMINAR_RELAY_SECRET' in os.environ)")
+        assert (r.status, r.stdout) == ("ok", "1024 False\n")
+        r = s.run("import os\nprint(os.getuid(), flush=True)\nwhile True: pass", timeout_s=0.5)
+        assert r.status == "timeout"
+        _assert_no_leftovers(r) if ROOT and r.stdout.split()[0] != "0" else None
+
+
+def test_auto_picks_bwrap_when_installed_else_unshare():
+    if probe("unshare") is not None and probe("bwrap") is not None:
+        with pytest.raises(SandboxError, match="sandbox.allow_unsafe"):
+            resolve_backend(SandboxConfig())
+        assert resolve_backend(SandboxConfig(allow_unsafe=True)) == "unsafe"
+        return
+    want = "bwrap" if shutil.which("bwrap") and probe("bwrap") is None else "unshare"
+    assert resolve_backend(SandboxConfig()) == want
+
+
+def test_bwrap_missing_is_a_clear_error():
+    if shutil.which("bwrap") is not None:
+        pytest.skip("bubblewrap is installed here")
+    with pytest.raises(SandboxError, match=r"sandbox\.backend=bwrap.*not installed"):
+        resolve_backend(SandboxConfig(backend="bwrap"))
+
+
+def test_observation_without_a_process():
+    r = RunResult("partial", "timeout", None, "timeout after 2 s", 2.0, False)
+    assert r.observation() == "partial\ntimeout after 2 s"
+    r = RunResult("", "killed", -9, "killed by signal 9 (SIGKILL)", 0.1, False)
+    assert r.observation() == "killed by signal 9 (SIGKILL)"
+    assert RunResult("a\n", "ok", 0, None, 0.1, False).observation() == "a\n"
