@@ -234,8 +234,27 @@ def test_infinite_loop_times_out_and_is_killed(sb):
 
 
 def test_cpu_limit_kills(sb):
-    r = sb.run("while True:\n    pass\n", timeout_s=4.0)  # cpu_s=3 < timeout: SIGXCPU
+    with Sandbox(_cfg(sb.backend, cpu_s=1, warm=0)) as s:
+        r = s.run("while True:\n    pass\n", timeout_s=4.0)  # cpu_s=1 < timeout: SIGXCPU
     assert r.status == "killed" and r.exit_code == -24 and "SIGXCPU" in r.error, r
+    assert r.observation() == "killed by signal 24 (SIGXCPU): over the CPU limit of 1 s"
+
+
+def test_no_new_namespaces_or_kernel_extras(sb):
+    r = sb.run(
+        "import ctypes, os, threading\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "for flag in (0x10000000, 0x40000000, 0x20000):  # user, net, mount namespace\n"
+        "    print(libc.unshare(flag), ctypes.get_errno())\n"
+        "print(libc.syscall(321, 0, 0, 0), ctypes.get_errno())  # bpf (x86_64)\n"
+        "t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(7)\n"
+        "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n")
+    assert r.status == "ok", r.observation()
+    if os.uname().machine == "x86_64":
+        assert r.stdout == "-1 1\n-1 1\n-1 1\n-1 1\nthread\n7\n"
 
 
 def test_huge_output_is_cut_fast(sb):
