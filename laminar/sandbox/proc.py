@@ -23,8 +23,8 @@ Backends:
 
 from __future__ import annotations
 
-import json
 import logging
+import marshal
 import os
 import secrets
 import select
@@ -238,7 +238,7 @@ class SandboxProc:
                 "ro_binds": binds, "etc": _etc(uid, gid), "scratch_mb": self.cfg.scratch_mb,
                 "python": python_executable(), "stage2": STAGE2, "limits": _limits(self.cfg),
                 "env": SANDBOX_ENV}
-        return [python_executable(), "-I", "-S", BOOT, json.dumps(plan)], (ctl_w, rep_w)
+        return [python_executable(), "-I", "-S", BOOT, marshal.dumps(plan).hex()], (ctl_w, rep_w)
 
     def _bwrap_argv(self, ctl_w: int, rep_w: int):
         bwrap = shutil.which("bwrap")
@@ -286,7 +286,7 @@ class SandboxProc:
             argv += ["--chmod", "1777", "/tmp"]  # stage 2 is root until it drops
         spec = {"ctl": ctl_w, "rep": rep_w, "limits": _limits(self.cfg), "drop": drop}
         argv += ["--remount-ro", "/", "--chdir", "/tmp", "--", python_executable(), "-I", "-S",
-                 "-c", STAGE2, json.dumps(spec)]
+                 "-c", STAGE2, marshal.dumps(spec).hex()]
         return argv, tuple([ctl_w, rep_w] + opened), opened, {}
 
     def _unsafe_argv(self, ctl_w: int):
@@ -300,7 +300,7 @@ class SandboxProc:
         env = dict(SANDBOX_ENV, HOME=self.scratch, TMPDIR=self.scratch)
         kw["env"] = env
         spec = {"ctl": ctl_w, "rep": None, "limits": _limits(self.cfg), "drop": None}
-        argv = [exe, "-I", "-S", "-c", STAGE2, json.dumps(spec)]
+        argv = [exe, "-I", "-S", "-c", STAGE2, marshal.dumps(spec).hex()]
         return argv, (ctl_w,), kw
 
     # ------------------------------------------------------------------ helpers
