@@ -101,6 +101,18 @@ def test_exception_gives_last_traceback_line(sb):
     assert r.observation() == "x\nexit code 3"
 
 
+def test_exit_like_the_interpreter(sb):
+    r = sb.run("import atexit, threading, time\n"
+               "atexit.register(print, 'atexit ran')\n"
+               "threading.Thread(target=lambda: (time.sleep(0.1), print('thread joined'))).start()\n"
+               "print('main done')\n")
+    assert (r.status, r.stdout) == ("ok", "main done\nthread joined\natexit ran\n")
+    r = sb.run("import sys\nprint('out')\nsys.exit('fatal: bad input')")
+    assert (r.status, r.exit_code, r.stdout) == ("error", 1, "out\nfatal: bad input\n")
+    r = sb.run("import os\nos._exit(0)")
+    assert (r.status, r.stdout) == ("ok", "")
+
+
 def test_unprivileged_clean_and_limited(sb):
     r = sb.run(
         "import os, resource\n"
@@ -140,6 +152,22 @@ def test_network_is_unreachable(sb):
             listener.accept()  # nothing ever reached the host's listener
     r = sb.run("import socket\nprint(sorted(n for _, n in socket.if_nameindex()))")
     assert r.stdout == "['lo']\n", r.observation()
+
+
+def test_program_cannot_reach_its_init(sb):
+    r = sb.run("import os\n"
+               "init = os.getppid()\n"
+               "for fd in (3, 4):\n"
+               "    try:\n"
+               "        open(f'/proc/{init}/fd/{fd}', 'w')\n"
+               "        print('OPENED', fd)\n"
+               "    except OSError as e:\n"
+               "        print(type(e).__name__)\n"
+               "try:\n"
+               "    os.write(4, b'X 0\\n')\n"
+               "except OSError as e:\n"
+               "    print(e.errno)\n")
+    assert r.stdout == "PermissionError\nPermissionError\n9\n", r.observation()  # EBADF
 
 
 def test_fork_bomb_is_contained(sb):

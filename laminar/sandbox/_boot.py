@@ -9,7 +9,7 @@ status>` the program's end as its init saw it, `W <wait status>` the init's end)
 
 The outer process (this one, in the host's namespaces):
   1. PR_SET_PDEATHSIG(SIGTERM): it ends with the host thread that started it;
-  2. unshare(mount, pid, net, ipc, uts [+ user when not root]);
+  2. unshare(mount, pid, net, ipc, uts, cgroup [+ user when not root]);
   3. forks the sandbox's init (pid 1 of the new pid namespace), reports its pid, waits for it
      and reports its wait status. SIGTERM makes it SIGKILL the init first, which kills every
      process of the pid namespace (the kernel does that when a namespace's init dies).
@@ -214,7 +214,8 @@ def main():
         prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != plan["host_pid"]:
             os._exit(1)  # the host is already gone
-        flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+        flags = (CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+                 | CLONE_NEWCGROUP)
         if plan["userns"]:
             flags |= CLONE_NEWUSER
         uid, gid = os.geteuid(), os.getegid()

@@ -101,15 +101,16 @@ def _seccomp():
     return True
 
 
+def _dumpable(flag):
+    import ctypes
+    if ctypes.CDLL(None).prctl(4, flag, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise OSError("prctl(PR_SET_DUMPABLE) failed")
+
+
 def _init(child, rep):
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
               signal.SIGALRM, signal.SIGXCPU):
         signal.signal(s, signal.SIG_IGN)
-    try:
-        import ctypes
-        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
-    except Exception:  # noqa: BLE001
-        pass
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
@@ -139,10 +140,12 @@ def _main():
         _seccomp()
     rep = spec.get("rep")
     if rep is not None:
+        _dumpable(0)  # before the fork: the init is never ptrace-able nor its /proc/1/fd open
         child = os.fork()
         if child:
             _init(child, rep)
         os.close(rep)
+        _dumpable(1)  # the program's own process is an ordinary one
     os.write(ctl, b"R\n")
     head = b""
     while not head.endswith(b"\n"):  # "<length>\n" then the code: no need to wait for EOF

@@ -297,6 +297,9 @@ class SandboxProc:
             self.uid = _new_uid()
             os.chown(self.scratch, self.uid, self.uid)
             kw.update(user=self.uid, group=self.uid, extra_groups=[])
+        elif os.geteuid() == 0:
+            _warn_once("sandbox: the unsafe backend runs untrusted code as root here (the Python "
+                       f"at {exe} is not reachable by another uid), with no process limit")
         env = dict(SANDBOX_ENV, HOME=self.scratch, TMPDIR=self.scratch)
         kw["env"] = env
         spec = {"ctl": ctl_w, "rep": None, "limits": _limits(self.cfg), "drop": None}
@@ -530,8 +533,9 @@ class SandboxProc:
                 return
             self._done = True
         p = self.popen
+        ran_on = p is not None and p.returncode is None and not self._exited()
         if p is not None and p.returncode is None:
-            if self.backend == "unshare" and not self._exited():
+            if self.backend == "unshare" and ran_on:
                 try:  # the outer SIGKILLs the namespace's init, which ends the namespace
                     os.kill(p.pid, signal.SIGTERM)
                 except ProcessLookupError:
@@ -546,8 +550,11 @@ class SandboxProc:
                 p.wait(timeout=10.0)
             except subprocess.TimeoutExpired:
                 log.warning("sandbox process %d did not end after SIGKILL", p.pid)
-        if self.uid is not None and self.backend != "unshare":
-            _kill_uid(self.uid)  # strays that left the session (bwrap's die-with-parent, unsafe)
+        if self.uid is not None and (self.backend == "unsafe" or (self.backend == "bwrap"
+                                                                  and ran_on)):
+            # unsafe: strays that left the session. bwrap stopped early: its namespace's init
+            # dies by its parent-death signal, asynchronously; make sure now.
+            _kill_uid(self.uid)
         self._read_rep()
         for fd in list(self._fds):
             self._close(fd)
@@ -563,6 +570,13 @@ class SandboxProc:
 
 
 _procs: "weakref.WeakSet[SandboxProc]" = weakref.WeakSet()
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
 
 
 def _forget_after_fork() -> None:
