@@ -13,7 +13,6 @@ import os
 import shutil
 import socket
 import subprocess
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -104,7 +103,10 @@ def test_exception_gives_last_traceback_line(sb):
 def test_exit_like_the_interpreter(sb):
     r = sb.run("import atexit, threading, time\n"
                "atexit.register(print, 'atexit ran')\n"
-               "threading.Thread(target=lambda: (time.sleep(0.1), print('thread joined'))).start()\n"
+               "def late():\n"
+               "    time.sleep(0.1)\n"
+               "    print('thread joined')\n"
+               "threading.Thread(target=late).start()\n"
                "print('main done')\n")
     assert (r.status, r.stdout) == ("ok", "main done\nthread joined\natexit ran\n")
     r = sb.run("import sys\nprint('out')\nsys.exit('fatal: bad input')")

@@ -2,7 +2,8 @@
 
     from laminar.sandbox import Sandbox, RunResult, SandboxError, resolve_backend, shared_sandbox
     sb = Sandbox(cfg.sandbox)           # starts cfg.warm sandboxes in the background
-    r = sb.run("print(2**100)")         # RunResult(stdout, status, exit_code, error, wall_s, truncated)
+    r = sb.run("print(2**100)")         # RunResult: stdout, status, exit_code, error, wall_s,
+                                        #   truncated
     r = await sb.arun(code, timeout_s=2.0)
     r.observation()                     # what a model sees: output, then the error on failure
     sb.close()                          # kills the warm ones; idempotent; also at exit

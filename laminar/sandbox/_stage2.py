@@ -1,8 +1,8 @@
 """The sandboxed interpreter's own program: `python -I -S -c <this source> SPEC`.
 
 Standard library only: inside the sandbox nothing of laminar is visible. The host passes this
-file's text on the command line. SPEC (marshal data in hex) = {"ctl": fd, "rep": fd | null, "limits": [[name, soft,
-hard]...], "drop": [uid, gid] | null}.
+file's text on the command line. SPEC (marshal data in hex) = {"ctl": fd, "rep": fd | None,
+"limits": [(name, soft, hard)...], "drop": [uid, gid] | None}.
 
 1. `drop` (bwrap started by root, which keeps only CAP_SETUID/CAP_SETGID for this): no
    supplementary groups, setresgid/setresuid to the sandbox uid; that clears every capability.
@@ -193,7 +193,8 @@ def _main():
         except Exception:  # noqa: BLE001
             last = type(e).__name__
         try:
-            os.write(ctl, b"E " + last.encode("utf-8", "replace")[:1000].replace(b"\n", b" ") + b"\n")
+            line = last.encode("utf-8", "replace")[:1000].replace(b"\n", b" ")
+            os.write(ctl, b"E " + line + b"\n")
         except OSError:
             pass
         _finish(1)

@@ -5,7 +5,8 @@
     proc.kill()                                # idempotent; run() calls it when done
 
 Every backend ends in the same stage-2 interpreter (`_stage2.py`): it lowers the rlimits,
-writes `R` on the control pipe, reads the code from stdin (`<length>\\n<bytes>`) and runs it. stdout and
+installs a seccomp filter, forks the program's process (which writes `R` on the control pipe,
+reads the code from stdin as `<length>\\n<bytes>` and runs it) and stays as its init. stdout and
 stderr are one pipe. The host reads it with a bound and a wall-clock deadline.
 
 Backends:
@@ -105,7 +106,8 @@ _LAYOUT: tuple[list[tuple[str, str]], list[tuple[str, str]]] | None = None
 
 
 def _etc(uid: int, gid: int) -> dict[str, str]:
-    return {"passwd": f"root:x:0:0:root:/:/bin/false\nsandbox:x:{uid}:{gid}:sandbox:/tmp:/bin/false\n",
+    return {"passwd": "root:x:0:0:root:/:/bin/false\n"
+                      f"sandbox:x:{uid}:{gid}:sandbox:/tmp:/bin/false\n",
             "group": f"root:x:0:\nsandbox:x:{gid}:\n",
             "hosts": "127.0.0.1 localhost\n::1 localhost\n",
             "hostname": "sandbox\n"}
@@ -384,7 +386,8 @@ class SandboxProc:
             if left <= 0:
                 self.kill()
                 raise SandboxError(f"sandbox ({self.backend}) not ready after {timeout_s:g} s")
-            r, _, _ = select.select(fds, [], [], left if self.pidfd is not None else min(left, 0.05))
+            wait = left if self.pidfd is not None else min(left, 0.05)
+            r, _, _ = select.select(fds, [], [], wait)
             if self.ctl_r in r and not self._read_ctl():
                 break
             if self.ctl_r not in r and self._exited():
