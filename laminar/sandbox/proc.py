@@ -135,8 +135,20 @@ def _stage_dir(binds: list[tuple[str, str]]) -> str:
                        "/media, /srv, /var/tmp, /opt, /home)")
 
 
+_uid_lock = threading.Lock()
+_uids: set[int] = set()  # in use by this process's sandboxes
+
+
 def _new_uid() -> int:
-    return UID_BASE + secrets.randbelow(UID_SPAN)
+    """A random uid from [UID_BASE, UID_BASE + UID_SPAN) that none of this process's live
+    sandboxes has (another process on the host picks its own: a clash is unlikely, not
+    impossible, and only shares the process limit and the stray sweep between the two)."""
+    with _uid_lock:
+        while True:
+            uid = UID_BASE + secrets.randbelow(UID_SPAN)
+            if uid not in _uids:
+                _uids.add(uid)
+                return uid
 
 
 def _reachable_by_others(path: str) -> bool:
@@ -234,7 +246,7 @@ class SandboxProc:
         root = os.geteuid() == 0
         uid = gid = _new_uid() if root else 65534
         if root:
-            self.uid = uid
+            self.uid = uid  # released in kill()
         plan = {"ctl": ctl_w, "rep": rep_w, "host_pid": os.getpid(), "userns": not root,
                 "uid": uid, "gid": gid, "stage": _stage_dir(binds), "symlinks": symlinks,
                 "ro_binds": binds, "etc": _etc(uid, gid), "scratch_mb": self.cfg.scratch_mb,
@@ -251,9 +263,9 @@ class SandboxProc:
         root = os.geteuid() == 0
         uid = gid = _new_uid() if root else 65534
         if root:
+            self.uid = uid  # released in kill()
             # Privileged bwrap, no user namespace (one would map the sandbox to host root);
             # stage 2 drops to the sandbox uid itself with the two capabilities kept for that.
-            self.uid = uid
             argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
                     "--unshare-cgroup-try", "--cap-drop", "ALL", "--cap-add", "CAP_SETUID",
                     "--cap-add", "CAP_SETGID"]
@@ -570,6 +582,9 @@ class SandboxProc:
         if self.scratch:
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch = None
+        if self.uid is not None:
+            with _uid_lock:
+                _uids.discard(self.uid)
 
 
 _procs: "weakref.WeakSet[SandboxProc]" = weakref.WeakSet()
