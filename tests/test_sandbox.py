@@ -21,9 +21,9 @@ import pytest
 
 from laminar.config import SandboxConfig
 from laminar.sandbox import RunResult, Sandbox, SandboxError, probe, resolve_backend, shared_sandbox
-from laminar.sandbox.proc import UID_BASE, UID_SPAN
+from laminar.sandbox.proc import UID_BASE, UID_SPAN, host_is_root
 
-ROOT = os.geteuid() == 0
+ROOT = host_is_root()  # then every sandbox has a host uid of its own
 SECRET = "laminar-test-secret-7f3a9c"
 
 

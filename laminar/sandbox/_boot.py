@@ -18,7 +18,8 @@ The init (pid 1), still privileged inside its namespaces, builds the root and dr
   - mount propagation private; a tmpfs as the new root holding read-only binds of the plan's
     paths (/usr, the Python prefix, ...) and symlinks (/bin -> usr/bin ...), a small /etc
     (passwd, group, hosts, the loader cache), a /dev tmpfs with null/zero/full/random/urandom
-    bound from the host, a fresh /proc of the new pid namespace, and /tmp, a tmpfs of
+    bound from the host, a fresh /proc of the new pid namespace (its global knobs, /proc/sys,
+    /proc/sysrq-trigger, /proc/irq... bound read-only over themselves), and /tmp, a tmpfs of
     `scratch_mb` owned by the sandbox user: the only writable place;
   - pivot_root into it and detach the old root (the host's files are then unreachable), root
     remounted read-only, hostname `sandbox`;
@@ -61,6 +62,8 @@ PR_SET_NO_NEW_PRIVS = 38
 ST_TO_MS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
             (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME),
             (os.ST_RELATIME, MS_RELATIME))
+
+PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs", "mtrr", "pressure", "acpi", "driver")
 
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41, "riscv64": 41, "ppc64le": 203,
                   "ppc64": 203, "s390x": 217, "i686": 217, "i386": 217}
@@ -155,6 +158,10 @@ def build_root(plan):
     mount(None, dev, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
     os.makedirs(root + "/proc", 0o555, exist_ok=True)
     mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for name in PROC_READONLY:  # as bwrap: global knobs stay read-only whoever the uid maps to
+        path = f"{root}/proc/{name}"
+        if os.path.exists(path):
+            bind(path, path, readonly=True, extra=MS_NOSUID | MS_NODEV | MS_NOEXEC)
     os.makedirs(root + "/tmp", 0o755, exist_ok=True)
     mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
           f"mode=0700,uid={plan['uid']},gid={plan['gid']},size={plan['scratch_mb']}m")

@@ -24,6 +24,7 @@ Backends:
 
 from __future__ import annotations
 
+import functools
 import logging
 import marshal
 import os
@@ -139,6 +140,19 @@ _uid_lock = threading.Lock()
 _uids: set[int] = set()  # in use by this process's sandboxes
 
 
+@functools.lru_cache(maxsize=1)
+def host_is_root() -> bool:
+    """Root of the initial user namespace (all uids mapped): the sandbox can get a uid of its
+    own without a user namespace. Root inside a container's user namespace is not."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        with open("/proc/self/uid_map") as f:
+            return f.read().split() == ["0", "0", "4294967295"]
+    except OSError:
+        return False
+
+
 def _new_uid() -> int:
     """A random uid from [UID_BASE, UID_BASE + UID_SPAN) that none of this process's live
     sandboxes has (another process on the host picks its own: a clash is unlikely, not
@@ -243,7 +257,7 @@ class SandboxProc:
 
     def _unshare_argv(self, ctl_w: int, rep_w: int) -> tuple[list[str], tuple[int, ...]]:
         symlinks, binds = host_layout()
-        root = os.geteuid() == 0
+        root = host_is_root()
         uid = gid = _new_uid() if root else 65534
         if root:
             self.uid = uid  # released in kill()
@@ -260,7 +274,7 @@ class SandboxProc:
             raise SandboxError("sandbox.backend=bwrap but bubblewrap (bwrap) is not installed; "
                                "install it or set sandbox.backend=unshare")
         symlinks, binds = host_layout()
-        root = os.geteuid() == 0
+        root = host_is_root()
         uid = gid = _new_uid() if root else 65534
         if root:
             self.uid = uid  # released in kill()
@@ -307,7 +321,7 @@ class SandboxProc:
         exe = python_executable()
         self.scratch = tempfile.mkdtemp(prefix="laminar-sandbox-")
         kw: dict = {"cwd": self.scratch}
-        if os.geteuid() == 0 and _reachable_by_others(exe):
+        if host_is_root() and _reachable_by_others(exe):
             self.uid = _new_uid()
             os.chown(self.scratch, self.uid, self.uid)
             kw.update(user=self.uid, group=self.uid, extra_groups=[])
@@ -615,7 +629,7 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 def _kill_uid(uid: int) -> None:
     """SIGKILL every process of this (per-sandbox, unique) uid, as root."""
-    if os.geteuid() != 0:
+    if not host_is_root():
         return
     for _ in range(3):
         found = False
