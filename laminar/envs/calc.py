@@ -37,8 +37,7 @@ class CalcEnv(Env):
 
             code = text[start + len(TOOL_OPEN):end]
             r = await shared_sandbox(self.sandbox).arun(code)
-            shown = r.stdout if r.status == "ok" else r.observation()
-            return StepResult(observation_text(shown), 0.0, False,
+            return StepResult(observation_text(r.observation()), 0.0, False,
                               {"tool_s": r.wall_s, "tool_status": r.status})
         exact = text.strip() == self.answer
         return StepResult("", 1.0 if exact else 0.0, True, {"exact_match": exact})

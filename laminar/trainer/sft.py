@@ -119,7 +119,8 @@ def evaluate_model(cfg: Config, model, tokenizer, task, eos: int, pad: int) -> d
     width = longest + cfg.rollout.max_new_tokens + 1
     rows = max(1, min(64, len(task.eval)))
     engine = Engine(model, eos, pad, max_batch_size=rows, kv_capacity_tokens=rows * width)
-    return evaluate(engine, tokenizer, task, cfg.rollout.max_new_tokens)
+    return evaluate(engine, tokenizer, task, cfg.rollout.max_new_tokens, cfg.task.max_turns,
+                    cfg.task.env_timeout_s)
 
 
 def run_sft(cfg: Config, log=print) -> Path:
