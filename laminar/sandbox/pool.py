@@ -112,6 +112,7 @@ class _Spawner:
                 job()
             except Exception:  # noqa: BLE001 - a failed spawn must not end the thread
                 log.exception("sandbox: starting a warm sandbox failed")
+            del job  # holds its Sandbox: let an unused one be collected (and closed)
 
 
 _spawner = _Spawner()
@@ -124,7 +125,7 @@ class Sandbox:
     run() blocks and returns a RunResult whatever the code does; it raises SandboxError only
     when the sandbox cannot start (or after close()). Thread-safe. arun() is the asyncio form.
     close() kills the warm processes (a run in flight finishes); it is idempotent and also
-    runs at exit.
+    runs at exit and when the Sandbox is garbage-collected.
     """
 
     def __init__(self, cfg: SandboxConfig | None = None):
@@ -186,6 +187,8 @@ class Sandbox:
                     self._failures = 0
                 return result
             except SandboxError as e:  # a warm one that broke: one cold try before giving up
+                with self._lock:
+                    self._failures += 1
                 log.warning("sandbox: a warm sandbox was unusable (%s); starting a fresh one", e)
         return SandboxProc.start(self.backend, self.cfg).run(code, t)
 
@@ -204,6 +207,12 @@ class Sandbox:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def __enter__(self) -> "Sandbox":
         return self
