@@ -325,11 +325,18 @@ def test_concurrent_calls_from_threads(sb):
     assert all(r.status == "ok" for r in results)
 
 
-def test_arun(sb):
+def test_arun_runs_many_at_once(sb):
     async def main():
         return await asyncio.gather(*(sb.arun(f"print({i})", timeout_s=5) for i in range(4)))
 
     assert [r.stdout for r in asyncio.run(main())] == ["0\n", "1\n", "2\n", "3\n"]
+
+    async def sleepers():  # more than the loop's default pool has threads (cores + 4)
+        code = "import time\nprint(time.monotonic(), flush=True)\ntime.sleep(0.6)"
+        return await asyncio.gather(*(sb.arun(code) for _ in range(16)))
+
+    starts = [float(r.stdout) for r in asyncio.run(sleepers())]
+    assert max(starts) - min(starts) < 0.9  # all 16 were running at once
 
 
 def test_close_leaves_no_processes():

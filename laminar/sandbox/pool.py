@@ -11,6 +11,7 @@ import shutil
 import threading
 import weakref
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from laminar.config import SandboxConfig
@@ -19,6 +20,7 @@ from laminar.sandbox.result import RunResult, SandboxError
 
 log = logging.getLogger(__name__)
 
+ARUN_THREADS = 64  # arun() calls of one Sandbox that run at once
 _probe_lock = threading.Lock()
 _probes: dict[str, str | None] = {}  # backend -> None (works) or why it does not
 _warned_unsafe = False
@@ -136,6 +138,7 @@ class Sandbox:
         self._starting = 0
         self._closed = False
         self._failures = 0  # warm starts that failed in a row (no refill storm)
+        self._executor: ThreadPoolExecutor | None = None  # arun's threads, made on first use
         _live.add(self)
         self._refill()
 
@@ -193,14 +196,25 @@ class Sandbox:
         return SandboxProc.start(self.backend, self.cfg).run(code, t)
 
     async def arun(self, code: str, timeout_s: float | None = None) -> RunResult:
-        """run() in the event loop's default thread pool."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.run, code, timeout_s)
+        """run() in this Sandbox's thread pool (up to ARUN_THREADS runs at once; more wait).
+        Not the loop's default pool: that one has min(32, cores + 4) threads, shared with every
+        other `to_thread`, and would queue tool calls on a small machine."""
+        with self._lock:
+            if self._executor is None:
+                if self._closed:
+                    raise SandboxError("this Sandbox is closed")
+                self._executor = ThreadPoolExecutor(ARUN_THREADS, "sandbox-run")
+            ex = self._executor
+        return await asyncio.get_running_loop().run_in_executor(ex, self.run, code, timeout_s)
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:
         with self._lock:
             self._closed = True
             idle, self._idle = list(self._idle), deque()
+            ex, self._executor = self._executor, None
+        if ex is not None:
+            ex.shutdown(wait=False)  # runs in flight finish; their threads end after
         for p in idle:
             p.kill()
 
@@ -260,6 +274,7 @@ def _after_fork_in_child() -> None:
         sb._lock = threading.Lock()
         sb._idle = deque()
         sb._starting = 0
+        sb._executor = None  # its threads did not survive the fork
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
