@@ -368,8 +368,7 @@ class SandboxProc:
             return False
         if not b:
             return False
-        if len(self._ctl) < 65536:
-            self._ctl += b
+        self._ctl = (self._ctl + b)[-65536:]  # the tail: the program's `E` line comes last
         return True
 
     def _read_rep(self) -> None:
@@ -504,9 +503,7 @@ class SandboxProc:
             if self.ctl_r in r and not self._read_ctl():
                 ctl_open = False
         wall = time.monotonic() - t0
-        self.kill()
-        self._read_ctl()
-        self._read_rep()
+        self.kill()  # reads what the control and report pipes still hold before closing them
         stdout = out.decode("utf-8", "replace")
         truncated = total > keep
         if reason == "timeout":
@@ -585,6 +582,10 @@ class SandboxProc:
             # dies by its parent-death signal, asynchronously; make sure now.
             _kill_uid(self.uid)
         self._read_rep()
+        if self.ctl_r >= 0:
+            for _ in range(64):  # everything is dead: what is left ends in EOF
+                if not self._read_ctl() or not select.select([self.ctl_r], [], [], 0)[0]:
+                    break
         for fd in list(self._fds):
             self._close(fd)
         if self.pidfd is not None:
