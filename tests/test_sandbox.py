@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -359,6 +360,20 @@ def test_close_leaves_no_processes():
     assert alive == []
     with pytest.raises(SandboxError, match="closed"):
         s.run("print(1)")
+
+
+def test_a_warm_sandbox_that_died_is_replaced():
+    _need("unshare")
+    with Sandbox(_cfg("unshare", warm=1)) as s:
+        deadline = time.monotonic() + 10
+        while not s._idle and time.monotonic() < deadline:
+            time.sleep(0.01)
+        p = s._idle[0]
+        p.wait_ready()
+        os.kill(p.popen.pid, signal.SIGTERM)  # as if killed while it waited
+        p._exited(2.0)
+        r = s.run("print('fresh')")
+        assert (r.status, r.stdout) == ("ok", "fresh\n")
 
 
 def test_shared_sandbox_is_cached_per_config():

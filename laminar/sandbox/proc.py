@@ -430,6 +430,8 @@ class SandboxProc:
         the sandbox did not start."""
         try:
             self.wait_ready()
+            if self._exited():  # a warm one that died while it waited (the OOM killer, a kill)
+                raise SandboxError(f"sandbox ({self.backend}) ended before it got any code")
             return self._run(code, timeout_s)
         finally:
             self.kill()
