@@ -369,3 +369,45 @@ def test_a_reward_is_the_one_turn_case_of_the_environment_api():
         assert e.turns == 1 and e.loss_mask == [1] * len(e.request.output_ids)
         assert (e.reward, e.exact_match) == (scored.reward, scored.exact_match)
         assert e.request.prompt_ids == encode_prompt(tokenizer, e.group.item.prompt)
+
+
+def test_the_worked_example_in_docs_agentic_md_runs(tmp_path):
+    """docs/agentic.md's Calculator, copied from the page, through a scripted episode with the
+    real sandbox: a tool call, its output as the observation, the answer scored."""
+    import re
+    from pathlib import Path
+
+    from laminar.sandbox import SandboxError, resolve_backend
+    from laminar.types import PromptItem
+
+    try:
+        resolve_backend(load_config(None, []).sandbox)
+    except SandboxError as e:
+        pytest.skip(f"no sandbox here: {e}")
+    page = (Path(__file__).parent.parent / "docs" / "agentic.md").read_text()
+    code = re.search(r"```python\n(# my_envs.py.*?)```", page, re.S).group(1)
+    (tmp_path / "my_envs.py").write_text(code)
+    task = build_task(load_config(None, [f"task.env={tmp_path}/my_envs.py:Calculator"]).task)
+    task.train = [PromptItem(0, "Q:6*7\n", "42")]
+    tokenizer = build_char_tokenizer()
+    episodes = Episodes(task, tokenizer, max_turns=3, timeout_s=10.0)
+    req = GenerationRequest("c", [], SamplingParams(max_new_tokens=200))
+    episodes.begin(req, PromptGroup("c", task.train[0], [], 1))
+    for text, reason in (("<py>print(6*7)</py>", "stop"), ("42", "eos")):
+        deadline = time.monotonic() + 10
+        while not episodes.next_turns():
+            assert time.monotonic() < deadline, dict(episodes.failed_by_reason)
+            time.sleep(0.002)
+        ids = tokenizer.encode(text, add_special_tokens=False) + ([EOS_ID] if reason == "eos" else [])
+        req.output_ids += ids
+        req.logprobs += [-1.0] * len(ids)
+        req.token_versions += [0] * len(ids)
+        req.finish_reason = reason
+        episodes.end_turn(req)
+    deadline = time.monotonic() + 10
+    while not (ended := episodes.finished()):
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    assert ended[0].failed is None and ended[0].reward == 1.0 and ended[0].exact_match
+    text = tokenizer.decode(req.output_ids, skip_special_tokens=True)
+    assert text == "<py>print(6*7)</py>\n<out>42\n</out>\nA:42", text
