@@ -33,10 +33,10 @@ import numpy as np
 from laminar.config import CalcTaskConfig
 from laminar.types import PromptItem
 
-FORMAT = "calc-v2"  # bump when questions, programs or observations change (the SFT cache key)
+FORMAT = "calc-v3"  # bump when questions, programs or observations change (the SFT cache key)
 TOOL_OPEN, TOOL_CLOSE = "<py>", "</py>"
 OBSERVATION_CHARS = 200  # longest tool output shown to the model (the tail is kept)
-WORK_MEDIAN = 5e5  # inner-loop iterations of a median range_sum / primes program
+WORK_MEDIAN = 1e6  # inner-loop iterations of a median range_sum / primes program
 WORK_MIN, WORK_MAX = 1e3, 3e7  # ~1 s of CPython on the machine it was tuned on
 COUNT_ALPHABET = "abcdefgh"
 COUNT_LEN = (20, 40)
