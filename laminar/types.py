@@ -159,6 +159,8 @@ class RolloutCounters:
     reprefill_tokens: int = 0  # tokens re-prefilled after a move or a swap
     reward_errors: int = 0  # trajectories whose reward failed for good (after its retries)
     failed_by_reason: dict[str, int] = field(default_factory=dict)  # those, by reason
+    tool_calls: dict[str, int] = field(default_factory=dict)  # environment tool calls by status
+    # (a step's info["tool_status"]: ok, error, timeout, killed, output_limit for the sandbox)
     adopted: int = 0  # trajectories received by repack or failover
     exported: int = 0  # trajectories handed over by repack or retirement
     versions: list[int] = field(default_factory=list)  # versions loaded, in order

@@ -146,6 +146,7 @@ class Episodes:
         self.latencies: list[float] = []  # seconds per environment step call, since the last take
         self.turn_counts: list[int] = []  # turns per ended episode, since the last take
         self.failed_by_reason: Counter[str] = Counter()
+        self.tool_calls: Counter[str] = Counter()  # info["tool_status"] of the steps, counted
 
     # ---------------------------------------------------------------- the caller's side
 
@@ -273,6 +274,8 @@ class Episodes:
                        "reward, done, info)")
             return
         ep.reward, ep.info = reward, info
+        if isinstance(info.get("tool_status"), str):
+            self.tool_calls[info["tool_status"]] += 1
         req = ep.request
         if done or ep.turns >= self.max_turns or req.finish_reason == "length":
             self._end(ep)

@@ -151,6 +151,9 @@ class Follower:
             "repacks": manager["repacks"], "moved_trajectories": manager["moved_trajectories"],
             "env_latency_s": evenly(self.env_latency, 64),
             "turns": evenly(self.turns, 64),
+            # cumulative over the live rollouts: failed trajectories by reason, tool calls by status
+            "failed_by_reason": _summed(s.counters.failed_by_reason for s in snaps.values()),
+            "tool_calls": _summed(s.counters.tool_calls for s in snaps.values()),
         }
         self.kv_samples, self.env_latency, self.turns = {}, [], []
         every, total = self.cfg.trainer.eval_every, self.cfg.trainer.total_steps
@@ -337,3 +340,11 @@ def finish(rt: Any, follower: Follower) -> dict[str, Any]:
           f"{report['manager']['repacks']} ({cfg.resolved_run_dir}{page})", flush=True)
     print(once.line(), flush=True)
     return report
+
+
+def _summed(counts: Any) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return total

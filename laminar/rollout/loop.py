@@ -298,6 +298,8 @@ class RolloutLoop:
             stats = self.engine.stats()
             self.counters.reward_errors = self.finisher.reward_errors
             self.counters.failed_by_reason = dict(self.finisher.failed_by_reason)
+            if self.finisher.episodes is not None:
+                self.counters.tool_calls = dict(self.finisher.episodes.tool_calls)
             return RolloutSnapshot(
                 rollout_id=self.id, version=self.engine.version, num_in_flight=len(self.in_flight),
                 num_unsettled=len(self.finisher) + self.io.buffer.num_unconfirmed,
