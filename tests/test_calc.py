@@ -227,3 +227,33 @@ def test_sft_cache_key_changes_with_the_task():
     calc_cfg = Config(task={"name": "calc"})
     other = Config(task={"name": "calc", "calc": {"digits": 5}})
     assert len({cache_key(reverse), cache_key(calc_cfg), cache_key(other)}) == 3
+
+
+def test_sft_single_turn_examples_are_prompt_then_answer():
+    from laminar.models import build_char_tokenizer, encode_prompt
+    from laminar.trainer.sft import answer_example
+
+    tok = build_char_tokenizer()
+    item = PromptItem(0, "abc=", "cba")
+    ids, mask = answer_example(tok, item, tok.eos_token_id)
+    p = encode_prompt(tok, "abc=")
+    assert ids == p + tok.encode("cba", add_special_tokens=False) + [tok.eos_token_id]
+    assert mask == [0] * len(p) + [1] * 4
+
+
+def test_sft_on_calc_trains_and_evaluates_episodes(tmp_path):
+    """Two steps of the warm start end to end: demonstrations in, held-out episodes (tool calls
+    in the real sandbox, on the native engine) scored in the report."""
+    import json
+
+    from laminar.trainer.sft import run_sft
+
+    _sandbox_or_skip(SandboxConfig())
+    cfg = Config(task={"name": "calc", "eval_prompts": 4, "max_turns": 2,
+                       "calc": {"num_prompts": 16}},
+                 sft={"steps": 2, "batch_size": 4, "cache_dir": str(tmp_path)},
+                 rollout={"max_new_tokens": 24}, trainer={"threads": 1})
+    out = run_sft(cfg, log=lambda *_: None)
+    report = json.loads((out / "sft_report.json").read_text())
+    assert report["steps"] == 2 and 0.0 <= report["eval_exact_match"] <= 1.0
+    assert "eval_turns" in report  # episodes, not single responses
