@@ -85,7 +85,7 @@ class CalcTaskConfig(Section):
         "with a condition), `count` (a character in a long string), `primes` (primes below N: "
         "the heavy tail of slow programs).")
     digits: int = Field(4, ge=1, le=12, description="Digits of the arithmetic operands.")
-    tail_sigma: float = Field(1.2, ge=0.0, description="Log-normal sigma of the work a question "
+    tail_sigma: float = Field(1.5, ge=0.0, description="Log-normal sigma of the work a question "
                               "asks for (range lengths, prime limits): the tail of slow programs.")
 
 
@@ -355,6 +355,11 @@ class SandboxConfig(Section):
                                   "the run is stopped once it prints 16x this.")
     warm: int = Field(2, ge=0, description="Sandboxes kept started and waiting for code, so a "
                       "call costs little.")
+    max_concurrent: int = Field(
+        0, ge=0, description="Most programs running at once per process; further calls wait "
+        "their turn (the wait counts in the environment's latency, not in `timeout_s`). 0 = the "
+        "number of CPU cores: on a small machine, dozens of CPU-bound tool calls at once would "
+        "starve the engine and the trainer.")
 
 
 class Config(Section):

@@ -30,10 +30,9 @@ def _expected(prompt: str) -> int:
     if m := re.fullmatch(r"(\d+)([*+])(\d+)", q):
         a, b = int(m[1]), int(m[3])
         return a * b if m[2] == "*" else a + b
-    if m := re.fullmatch(r"sum (\d+):(\d+) %(\d+)==(\d+)", q):
-        a, b, k, r = map(int, m.groups())
-        first = next(i for i in range(a, a + k) if i % k == r)
-        return sum(range(first, b, k))
+    if m := re.fullmatch(r"sum%(\d+) (\d+):(\d+)", q):
+        k, a, b = map(int, m.groups())
+        return sum(i % k for i in range(a, b))
     if m := re.fullmatch(r"count ([a-z]) in ([a-z]+)", q):
         return m[2].count(m[1])
     m = re.fullmatch(r"primes<(\d+)", q)

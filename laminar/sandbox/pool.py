@@ -20,7 +20,7 @@ from laminar.sandbox.result import RunResult, SandboxError
 
 log = logging.getLogger(__name__)
 
-ARUN_THREADS = 64  # arun() calls of one Sandbox that run at once
+ARUN_THREADS = 64  # arun() calls of one Sandbox waiting or running at once
 _probe_lock = threading.Lock()
 _probes: dict[str, str | None] = {}  # backend -> None (works) or why it does not
 _warned_unsafe = False
@@ -139,6 +139,8 @@ class Sandbox:
         self._closed = False
         self._failures = 0  # warm starts that failed in a row (no refill storm)
         self._executor: ThreadPoolExecutor | None = None  # arun's threads, made on first use
+        self.max_concurrent = self.cfg.max_concurrent or os.cpu_count() or 1
+        self._running = threading.BoundedSemaphore(self.max_concurrent)  # programs at once
         _live.add(self)
         self._refill()
 
@@ -182,6 +184,10 @@ class Sandbox:
         t = self.cfg.timeout_s if timeout_s is None else float(timeout_s)
         if not t > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        with self._running:  # at most max_concurrent programs at once; the rest wait here
+            return self._run(code, t)
+
+    def _run(self, code: str, t: float) -> RunResult:
         proc = self._take()
         if proc is not None:
             try:

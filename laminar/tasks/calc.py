@@ -13,18 +13,17 @@ Question kinds (`task.calc.kinds`) and the program a demonstration writes for ea
 
     mul        Q:4821*9127                print(4821*9127)
     add        Q:4821+9127                print(4821+9127)
-    range_sum  Q:sum 120:5430 %7==3       print(sum(i for i in range(120,5430)if i%7==3))
+    range_sum  Q:sum%7 120:5430           print(sum(i%7 for i in range(120,5430)))
     count      Q:count c in abdhcgabe     print('abdhcgabe'.count('c'))
     primes     Q:primes<5000              print(sum(all(n%d for d in range(2,n))for n in range(2,5000)))
 
 Every number (and the string) in a program is copied from its question. The work of `range_sum`
 (range length) and `primes` (~N^2 / (2 ln N) inner iterations of the quadratic program) is
 log-normal with `tail_sigma` around WORK_MEDIAN iterations, clipped to WORK_MAX, so program run
-times have a heavy tail, the slow tools that asynchronous rollout hides. Measured in the bwrap
-sandbox on a 2-core Xeon (busy), the 1684 range_sum/primes programs of the default 4096
-questions: p50 ~50-65 ms, p99 0.4-0.75 s, 5 over 1 s, max 1.5 s; mul/add/count ~5 ms. The
-WORK_MAX programs take ~0.8 s (range_sum) and ~1.3-1.7 s (primes) there, inside the sandbox's
-default 5 s on a CPU twice as slow.
+times have a heavy tail, the slow tools that asynchronous rollout hides: median programs take
+milliseconds, the slowest around a second (WORK_MAX programs: ~0.8 s range_sum, ~1.3-1.7 s
+primes on a busy 2-core Xeon), inside the sandbox's default 5 s. What a run saw is in its step
+rows (`env_latency_s`); docs/agentic.md quotes `laminar bench modes --task calc`.
 """
 
 from __future__ import annotations
@@ -36,10 +35,10 @@ import numpy as np
 from laminar.config import CalcTaskConfig
 from laminar.types import PromptItem
 
-FORMAT = "calc-v3"  # bump when questions, programs or observations change (the SFT cache key)
+FORMAT = "calc-v4"  # bump when questions, programs or observations change (the SFT cache key)
 TOOL_OPEN, TOOL_CLOSE = "<py>", "</py>"
 OBSERVATION_CHARS = 200  # longest tool output shown to the model (the tail is kept)
-WORK_MEDIAN = 1e6  # inner-loop iterations of a median range_sum / primes program
+WORK_MEDIAN = 2e5  # inner-loop iterations of a median range_sum / primes program
 WORK_MIN, WORK_MAX = 1e3, 3e7  # ~1 s of CPython on the machine it was tuned on
 COUNT_ALPHABET = "abcdefgh"
 COUNT_LEN = (20, 40)
@@ -56,11 +55,10 @@ def observation_text(output: str) -> str:
 def parse_question(prompt: str) -> tuple[str, tuple]:
     """A prompt -> (kind, arguments), the inverse of the formats in the module docstring."""
     q = prompt.removeprefix("Q:").rstrip("\n")
-    if q.startswith("sum "):
-        span, cond = q[4:].split(" ")
+    if q.startswith("sum%"):
+        k, span = q[4:].split(" ")
         a, b = span.split(":")
-        k, r = cond[1:].split("==")
-        return "range_sum", (int(a), int(b), int(k), int(r))
+        return "range_sum", (int(a), int(b), int(k))
     if q.startswith("count "):
         ch, s = q[6:].split(" in ")
         return "count", (ch, s)
@@ -81,8 +79,8 @@ def program(prompt: str) -> str:
     if kind == "add":
         return f"print({args[0]}+{args[1]})"
     if kind == "range_sum":
-        a, b, k, r = args
-        return f"print(sum(i for i in range({a},{b})if i%{k}=={r}))"
+        a, b, k = args
+        return f"print(sum(i%{k} for i in range({a},{b})))"
     if kind == "count":
         ch, s = args
         return f"print('{s}'.count('{ch}'))"
@@ -102,13 +100,12 @@ def demonstration(item: PromptItem) -> list[tuple[str, bool]]:
 # ------------------------------------------------------------------------------ questions
 
 
-def _range_sum(a: int, b: int, k: int, r: int) -> int:
-    """sum(i for i in range(a, b) if i % k == r), in closed form."""
-    first = a + (r - a) % k
-    if first >= b:
-        return 0
-    n = (b - 1 - first) // k + 1
-    return n * first + k * n * (n - 1) // 2
+def _range_sum(a: int, b: int, k: int) -> int:
+    """sum(i % k for i in range(a, b)), in closed form (a sum over the range: its answer stays
+    short, about (b - a) * k / 2, so a tiny model can copy it back from the tool's output)."""
+    def upto(n: int) -> int:  # sum of i % k for i in range(n)
+        return (n // k) * (k * (k - 1) // 2) + (n % k) * (n % k - 1) // 2
+    return upto(b) - upto(a)
 
 
 def _primes_below(limit: int) -> np.ndarray:
@@ -152,8 +149,7 @@ def make_questions(cfg: CalcTaskConfig, n: int, seed: int) -> list[PromptItem]:
             a = int(rng.integers(0, 1000))
             b = a + int(work[i])
             k = int(rng.integers(2, 10))
-            r = int(rng.integers(0, k))
-            q, ans = f"sum {a}:{b} %{k}=={r}", _range_sum(a, b, k, r)
+            q, ans = f"sum%{k} {a}:{b}", _range_sum(a, b, k)
         elif kind == "count":
             length = int(rng.integers(COUNT_LEN[0], COUNT_LEN[1] + 1))
             s = "".join(rng.choice(np.array(list(COUNT_ALPHABET)), size=length))
