@@ -195,29 +195,37 @@ def test_episode_tokens_are_exactly_generated_plus_observations(env_dir, tmp_pat
         scripted_turns_render_as_the_chat_template(task, tokenizer)
 
 
-def scripted_turns_render_as_the_chat_template(task, tokenizer):
-    """Turns whose text re-encodes to the same ids (the random model's often do not: it emits ids
-    past the tokenizer's vocabulary) give the transcript the chat template renders."""
-    episodes = Episodes(task, tokenizer, max_turns=3, timeout_s=5.0)
+def scripted_episode(task, tokenizer, item, turns, timeout_s: float = 10.0):
+    """One episode whose model turns are given as (text, finish reason), not generated."""
+    episodes = Episodes(task, tokenizer, max_turns=len(turns), timeout_s=timeout_s)
     req = GenerationRequest("s", [], SamplingParams(max_new_tokens=200))
-    item = task.train[0]
     episodes.begin(req, PromptGroup("s", item, [], 1))
-    turns = [("abc]", "stop"), ("xy", "eos"), ("done", "eos")]
+
+    def wait(get):
+        deadline = time.monotonic() + timeout_s
+        while not (out := get()):
+            assert time.monotonic() < deadline, dict(episodes.failed_by_reason)
+            time.sleep(0.002)
+        return out
+
     for text, reason in turns:
-        deadline = time.monotonic() + 5
-        while not episodes.next_turns():
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
-        ids = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if reason == "eos" else [])
+        wait(episodes.next_turns)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids += [tokenizer.eos_token_id] if reason == "eos" else []
         req.output_ids += ids
         req.logprobs += [-1.0] * len(ids)
         req.token_versions += [0] * len(ids)
         req.finish_reason = reason
         episodes.end_turn(req)
-    deadline = time.monotonic() + 5
-    while not (ended := episodes.finished()):
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    return req, wait(episodes.finished)
+
+
+def scripted_turns_render_as_the_chat_template(task, tokenizer):
+    """Turns whose text re-encodes to the same ids (the random model's often do not: it emits ids
+    past the tokenizer's vocabulary) give the transcript the chat template renders."""
+    item = task.train[0]
+    turns = [("abc]", "stop"), ("xy", "eos"), ("done", "eos")]
+    req, ended = scripted_episode(task, tokenizer, item, turns)
     messages = [{"role": "user", "content": item.prompt}]
     for k, (text, _) in enumerate(turns):
         messages.append({"role": "assistant", "content": text})
@@ -390,24 +398,8 @@ def test_the_worked_example_in_docs_agentic_md_runs(tmp_path):
     task = build_task(load_config(None, [f"task.env={tmp_path}/my_envs.py:Calculator"]).task)
     task.train = [PromptItem(0, "Q:6*7\n", "42")]
     tokenizer = build_char_tokenizer()
-    episodes = Episodes(task, tokenizer, max_turns=3, timeout_s=10.0)
-    req = GenerationRequest("c", [], SamplingParams(max_new_tokens=200))
-    episodes.begin(req, PromptGroup("c", task.train[0], [], 1))
-    for text, reason in (("<py>print(6*7)</py>", "stop"), ("42", "eos")):
-        deadline = time.monotonic() + 10
-        while not episodes.next_turns():
-            assert time.monotonic() < deadline, dict(episodes.failed_by_reason)
-            time.sleep(0.002)
-        ids = tokenizer.encode(text, add_special_tokens=False) + ([EOS_ID] if reason == "eos" else [])
-        req.output_ids += ids
-        req.logprobs += [-1.0] * len(ids)
-        req.token_versions += [0] * len(ids)
-        req.finish_reason = reason
-        episodes.end_turn(req)
-    deadline = time.monotonic() + 10
-    while not (ended := episodes.finished()):
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
+    req, ended = scripted_episode(task, tokenizer, task.train[0],
+                                  [("<py>print(6*7)</py>", "stop"), ("42", "eos")])
     assert ended[0].failed is None and ended[0].reward == 1.0 and ended[0].exact_match
     text = tokenizer.decode(req.output_ids, skip_special_tokens=True)
     assert text == "<py>print(6*7)</py>\n<out>42\n</out>\nA:42", text
