@@ -68,10 +68,12 @@ CALC_WORKLOAD = [
     "task.name=calc", "task.max_turns=3", "task.eval_prompts=128",
     "rollout.group_size=8", "rollout.batch_groups=4", "rollout.max_new_tokens=160",
     "rollout.engine.max_batch_size=64", "rollout.engine.kv_capacity_tokens=12288",
-    "sft.steps=300", "sft.max_seconds=3600",
+    "sft.steps=400", "sft.max_seconds=600",  # examples/calc.yaml's warm start (cached once)
     "trainer.prompts_per_step=32", "trainer.mini_batches=4", "trainer.lr=1e-4",
     "trainer.threads=1", "rollout.threads=1",
-    "trainer.eval_every=0", "trainer.eval_every_s=10", "trainer.checkpoint_every=0",
+    # evaluations run episodes through the same sandbox: every 60 s, not 10, so they do not
+    # take most of its capacity
+    "trainer.eval_every=0", "trainer.eval_every_s=60", "trainer.checkpoint_every=0",
     "metrics.tensorboard=false", "metrics.live=off",
 ]
 WORKLOADS = {"reverse": WORKLOAD, "calc": CALC_WORKLOAD}
