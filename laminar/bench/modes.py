@@ -65,7 +65,7 @@ CONTROL = ["rollout.env_latency.enabled=false"]  # the control: no tool latency
 # calc.yaml), whose tool calls run real programs in the sandbox; no emulated latency.
 CALC_WORKLOAD = [
     "model.preset=tiny", "rollout.num_workers=2", "cluster.virtual_nodes=2",
-    "task.name=calc", "task.max_turns=3", "task.eval_prompts=128",
+    "task.name=calc", "task.max_turns=3", "task.eval_prompts=128", "task.env_timeout_s=120",
     "rollout.group_size=8", "rollout.batch_groups=4", "rollout.max_new_tokens=160",
     "rollout.engine.max_batch_size=64", "rollout.engine.kv_capacity_tokens=12288",
     "sft.steps=400", "sft.max_seconds=600",  # examples/calc.yaml's warm start (cached once)

@@ -91,7 +91,8 @@ def task_format(cfg: Config) -> str | None:
 
 
 def cache_key(cfg: Config) -> str:
-    relevant = {"model": cfg.model.model_dump(), "task": cfg.task.model_dump(),
+    relevant = {"model": cfg.model.model_dump(),  # a timeout changes no demonstration
+                "task": cfg.task.model_dump(exclude={"env_timeout_s"}),
                 "sft": cfg.sft.model_dump(exclude={"cache_dir"})}
     if (fmt := task_format(cfg)) is not None:  # (absent: earlier caches stay valid)
         relevant["task_format"] = fmt
