@@ -332,12 +332,25 @@ def test_arun_runs_many_at_once(sb):
 
     assert [r.stdout for r in asyncio.run(main())] == ["0\n", "1\n", "2\n", "3\n"]
 
-    async def sleepers():  # more than the loop's default pool has threads (cores + 4)
-        code = "import time\nprint(time.monotonic(), flush=True)\ntime.sleep(0.6)"
-        return await asyncio.gather(*(sb.arun(code) for _ in range(16)))
+    code = "import time\nprint(time.monotonic(), flush=True)\ntime.sleep(0.6)"
 
-    starts = [float(r.stdout) for r in asyncio.run(sleepers())]
+    async def sleepers(box, n):
+        return await asyncio.gather(*(box.arun(code) for _ in range(n)))
+
+    # more than the loop's default pool has threads (cores + 4), with room for all of them
+    wide = Sandbox(_cfg(sb.backend, max_concurrent=16))
+    try:
+        starts = [float(r.stdout) for r in asyncio.run(sleepers(wide, 16))]
+    finally:
+        wide.close()
     assert max(starts) - min(starts) < 0.9  # all 16 were running at once
+    # sandbox.max_concurrent: 2 at once, so 4 sleepers run in two rounds
+    narrow = Sandbox(_cfg(sb.backend, max_concurrent=2))
+    try:
+        starts = sorted(float(r.stdout) for r in asyncio.run(sleepers(narrow, 4)))
+    finally:
+        narrow.close()
+    assert starts[2] - starts[0] >= 0.55 and starts[1] - starts[0] < 0.5
 
 
 def test_close_leaves_no_processes():
