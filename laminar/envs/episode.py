@@ -323,6 +323,20 @@ class Episodes:
             pass
 
 
+def step_episodes(engine: Any, episodes: Episodes) -> tuple[bool, list[Ended]]:
+    """One round for an engine that runs only episodes (an evaluation's): start the turns that
+    are ready, one engine step (finished turns go to their environment), collect the ended
+    episodes. Returns (whether the engine stepped, the ended episodes)."""
+    for req, _ in episodes.next_turns():
+        engine.add(req)
+    stepped = engine.has_unfinished()
+    if stepped:
+        for delta in engine.step():
+            if delta.finish_reason is not None and delta.request_id in episodes.live:
+                episodes.end_turn(episodes.live[delta.request_id].request)
+    return stepped, episodes.finished()
+
+
 def run_episodes(engine: Any, episodes: Episodes,
                  requests: list[tuple[GenerationRequest, PromptGroup]],
                  poll_s: float = 0.001) -> list[Ended]:
@@ -331,13 +345,8 @@ def run_episodes(engine: Any, episodes: Episodes,
         episodes.begin(req, group)
     ended: list[Ended] = []
     while len(ended) < len(requests):
-        for req, _ in episodes.next_turns():
-            engine.add(req)
-        if engine.has_unfinished():
-            for delta in engine.step():
-                if delta.finish_reason is not None and delta.request_id in episodes.live:
-                    episodes.end_turn(episodes.live[delta.request_id].request)
-        else:
+        stepped, done = step_episodes(engine, episodes)
+        ended += done
+        if not stepped:
             time.sleep(poll_s)
-        ended += episodes.finished()
     return ended

@@ -91,18 +91,14 @@ class Evaluator:
         return True
 
     def _step_episodes(self) -> None:
-        episodes = self.episodes
-        for req, _ in episodes.next_turns():
-            self.engine.add(req)
-        if self.engine.has_unfinished():
-            for delta in self.engine.step():
-                if delta.finish_reason is not None and delta.request_id in episodes.live:
-                    episodes.end_turn(episodes.live[delta.request_id].request)
-        for e in episodes.finished():
+        from laminar.envs.episode import step_episodes
+
+        _, ended = step_episodes(self.engine, self.episodes)
+        for e in ended:
             if e.request.request_id in self.requests:
                 self.outcomes[e.request.request_id] = (e.reward, e.exact_match)
                 self.left -= 1
-        episodes.take_stats()  # the evaluation's latencies are not the run's
+        self.episodes.take_stats()  # the evaluation's latencies are not the run's
 
     def take(self) -> list[dict[str, Any]]:
         out, self.results = self.results, []

@@ -87,11 +87,6 @@ class Finisher:
     def next_turns(self) -> list[tuple[GenerationRequest, PromptGroup]]:
         return self.episodes.next_turns() if self.episodes is not None else []
 
-    @property
-    def num_episodes(self) -> int:
-        """Multi-turn episodes begun and not ended (decoding or in their environment)."""
-        return len(self.episodes) if self.episodes is not None else 0
-
     def add(self, req: GenerationRequest, group: PromptGroup) -> None:
         if self.episodes is not None and req.request_id in self.episodes.live:
             self.episodes.end_turn(req)
