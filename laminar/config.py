@@ -206,6 +206,14 @@ class ClusterConfig(Section):
     virtual_nodes: int = Field(1, ge=1, description="On one machine: split the rollout workers "
                                "into this many groups, each with its own relay process, so the "
                                "relay chain runs for real.")
+    rollouts_on_head: bool = Field(
+        False, description="On a multi-node cluster: also place rollouts on the driver's node (the "
+        "head, which runs the trainer, the pools and the master relay). Default: rollouts go to the "
+        "other nodes, and to the head only when it is the only node.")
+    trainer_resources: dict[str, float] = Field(
+        default_factory=dict, description="On a cluster: Ray resources the trainer actor asks for "
+        "(e.g. {GPU: 1} or a custom resource of the node it should run on); empty = the driver's "
+        "node.")
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of the embedded cluster "
                                  "(default: enough for every actor).")
     wait_timeout_s: float = Field(300.0, gt=0.0, description="Longest any component may wait for "
@@ -289,8 +297,12 @@ class SFTConfig(Section):
 
 
 class RelayConfig(Section):
-    host: str = Field("127.0.0.1", description="Address relays listen on. Loopback by default; on "
-                      "a cluster set it to the node's address on the weight network.")
+    host: str = Field(
+        "auto", description="The address each relay listens on and advertises, resolved on its own "
+        "node: `auto` (the node's Ray address on a cluster, loopback on one machine), an interface "
+        "name (`eth1`: the weight network), a CIDR (`10.0.0.0/16`: the node's address inside it), "
+        "`0.0.0.0` (listen on all, advertise the node's address) or a literal address (one "
+        "machine only).")
     port_range: tuple[int, int] | None = Field(
         None, description="Inclusive [first, last] port range a relay binds its first free port "
         "in; unset = an ephemeral port chosen by the OS.")

@@ -30,9 +30,19 @@ def test_place_one_relay_per_node():
     assert p.relay_ids == ["node0", "node1"]
     assert p.worker_relay == {"rollout0": "node0", "rollout1": "node1", "rollout2": "node0",
                               "rollout3": "node1", "rollout4": "node0"}
-    real = place(num_workers=3, virtual_nodes=1, ray_nodes=["a", "b", "c", "d"])
-    assert real.relay_node == {"node0": "a", "node1": "b", "node2": "c", "node3": "d"}
-    assert real.worker_relay["rollout2"] == "node2"
+    # a cluster: master relay on the driver's node "b"; rollouts on the other nodes, one relay each
+    real = place(num_workers=3, virtual_nodes=1, ray_nodes=["a", "b", "c", "d"], head="b")
+    assert real.relay_ids == ["node0", "node1", "node2", "node3"]
+    assert real.relay_node == {"node0": "b", "node1": "a", "node2": "c", "node3": "d"}
+    assert real.worker_relay == {"rollout0": "node1", "rollout1": "node2", "rollout2": "node3"}
+    # fewer rollouts than nodes: a node without rollouts gets no relay
+    few = place(num_workers=2, virtual_nodes=1, ray_nodes=["a", "b", "c", "d"], head="a")
+    assert few.relay_node == {"node0": "a", "node1": "b", "node2": "c"}
+    # the head hosts rollouts when asked, or when it is the only node
+    shared = place(num_workers=3, virtual_nodes=1, ray_nodes=["a", "b"], head="a", rollouts_on_head=True)
+    assert shared.worker_relay == {"rollout0": "node0", "rollout1": "node1", "rollout2": "node0"}
+    alone = place(num_workers=2, virtual_nodes=1, ray_nodes=["a"], head="a")
+    assert alone.relay_ids == ["node0"] and set(alone.worker_relay.values()) == {"node0"}
 
 
 def _trained(run_dir):

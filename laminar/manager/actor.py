@@ -33,7 +33,7 @@ class RolloutSpec:
     re-creation of a dead rollout all start them alike."""
 
     cfg: Config
-    model_dir: str  # the starting weights
+    model_dir: Any  # the starting weights: a path, or a shipping.ShippedDir on a cluster
     version: int  # their version (a rollout pulls the newest from its relay before generating)
     relays: dict[str, dict[str, Any]]  # relay id -> its RelayInfo as a dict
     options: dict[str, dict[str, Any]]  # relay id -> Ray options of a rollout on its node (pin)

@@ -100,7 +100,7 @@ class Pusher:
         from laminar.relay.relay import node_id
 
         self.plan, self.secret, self.cfg = plan, secret, cfg or RelayConfig()
-        self.node = node or node_id()
+        self.node = node or node_id(self.cfg.shm_dir)
         self.dead: set[str] = set()
         self.transport = make_transport(self.cfg.transport, self.cfg.timeout_s)
         self._remote_store: WeightStore | None = None  # staging store when the master is remote
@@ -232,7 +232,15 @@ class Puller:
     """A rollout's handle on the relay of its own node."""
 
     def __init__(self, relay: RelayInfo, cfg: RelayConfig | None = None) -> None:
+        from laminar.relay.relay import node_id
+
         self.cfg = cfg or RelayConfig()
+        here = node_id(self.cfg.shm_dir)
+        if relay.node and relay.node != here:  # its shared memory is not this machine's
+            raise RuntimeError(
+                f"relay {relay.id} ({relay.host}:{relay.port}) is on another node ({relay.node}) "
+                f"than this rollout ({here}): a rollout reads only its own node's relay, through "
+                "shared memory. This is a placement bug: please report it")
         self.reader = ShmReader(self.cfg.shm_dir, relay.shm_prefix)
         self.version: int | None = None  # the last version this puller delivered
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from laminar.config import RelayConfig
+from laminar.relay.address import AddressError, local_interfaces, resolve_host
 from laminar.relay.chain import Inbox, feed_version, serve_feed, serve_requests
 from laminar.relay.plan import ChainPlan, RelayInfo, repair
 from laminar.relay.store import WeightStore
@@ -39,13 +40,18 @@ from laminar.relay.version import VersionHeader
 log = logging.getLogger("laminar.relay")
 
 
-def node_id() -> str:
-    """Identity of this machine: relays and clients with equal ids share the shm directory."""
+def node_id(shm_dir: str | os.PathLike[str] = "/dev/shm") -> str:
+    """Identity of this machine's shared memory: relays and clients with equal ids share the shm
+    directory (the same host, boot and tmpfs: nodes in their own mount namespaces differ)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        dev = os.stat(shm_dir).st_dev
+    except OSError:
+        dev = 0
+    return f"{socket.gethostname()}/{boot}/{dev}"
 
 
 def segment_prefix(job: str, relay_id: str) -> str:
@@ -60,17 +66,25 @@ class Relay:
     removes its shared memory. `transport`: another than relay.transport's (the benchmark's
     throttled links)."""
 
-    OPS = ("set_plan", "reserve", "commit", "latest", "heartbeat", "stop")  # control requests
+    OPS = ("set_plan", "reserve", "commit", "latest", "heartbeat", "probe", "stop")  # control requests
 
     def __init__(self, relay_id: str, job: str, secret: bytes, cfg: RelayConfig | None = None,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, node_ip: str | None = None) -> None:
+        """`node_ip`: this node's address on the cluster (None: one machine); with relay.host
+        it decides the address bound and advertised (laminar/relay/address.py)."""
         self.cfg = cfg = cfg or RelayConfig()
         self.id, self.job, self.secret = relay_id, job, secret
+        where = f"node {node_ip}" if node_ip else "this machine"
+        bind, advertise = resolve_host(cfg.host, node_ip, local_interfaces(), where)
         self.transport = transport or make_transport(cfg.transport, cfg.timeout_s)
+        try:
+            self.listener = self.transport.listen(bind, cfg.port_range)
+        except OSError as e:
+            raise AddressError(f"relay {relay_id} on {where} cannot listen on {bind} "
+                               f"(relay.host='{cfg.host}', relay.port_range={cfg.port_range}): {e}") from None
         self.store = WeightStore(cfg.shm_dir, segment_prefix(job, relay_id), cfg.keep_versions)
-        self.listener = self.transport.listen(cfg.host, cfg.port_range)
-        host, port = self.listener.address
-        self.info = RelayInfo(relay_id, host, port, node_id(), self.store.prefix)
+        port = self.listener.address[1]
+        self.info = RelayInfo(relay_id, advertise, port, node_id(cfg.shm_dir), self.store.prefix)
         self.plan = ChainPlan((relay_id,), {relay_id: self.info})
         self.failures: list[dict[str, Any]] = []  # successors this relay found dead
         self.completed_at: dict[int, float] = {}  # version -> when it was complete here
@@ -80,7 +94,7 @@ class Relay:
                          threading.Thread(target=self._downstream_loop, daemon=True, name="relay-down")]
         for t in self._threads:
             t.start()
-        log.info("relay %s listening on %s:%d", relay_id, host, port)
+        log.info("relay %s listening on %s:%d (advertised as %s)", relay_id, bind, port, advertise)
 
     # -- control ------------------------------------------------------------------------------
 
@@ -124,6 +138,15 @@ class Relay:
             return None
         return {"version": buf.version, "path": str(buf.path), "shm_dir": str(self.store.directory),
                 "prefix": self.store.prefix, "nbytes": buf.header.nbytes}
+
+    def probe(self, host: str, port: int) -> str | None:
+        """Can this relay reach a relay at host:port (connect and prove the secret)? None if
+        yes, else why not: the runtime checks every chain link this way before training."""
+        try:
+            connect(self.transport, (host, port), self.secret, ROLE_CONTROL).close()
+        except LinkError as e:
+            return str(e)
+        return None
 
     def heartbeat(self) -> dict[str, Any]:
         """Liveness and state, JSON-safe (per-version maps are keyed by str(version))."""

@@ -96,13 +96,15 @@ class RayBuffer:
 
 
 class RolloutActor:
-    def __init__(self, rollout_id: str, cfg: Config, model_dir: str, relay: dict[str, Any],
+    def __init__(self, rollout_id: str, cfg: Config, model_dir: Any, relay: dict[str, Any],
                  pools: dict[str, Any], policy: Policy, version: int = 0) -> None:
         torch.set_num_threads(cfg.rollout.threads)
         if cfg.rollout.cpu_nice:
             os.nice(cfg.rollout.cpu_nice)  # yield the CPU to the trainer (always allowed)
+        from laminar.runtime.shipping import materialize  # on a cluster node: its own copy
+
         self.cfg = cfg
-        model, tokenizer = load_pretrained(model_dir, cfg.model.attn_implementation)
+        model, tokenizer = load_pretrained(materialize(model_dir), cfg.model.attn_implementation)
         seed = zlib.crc32(f"{cfg.trainer.seed}/{rollout_id}".encode())  # stable, distinct per rollout
         engine = build_engine(cfg.rollout.engine, model.eval(), tokenizer.eos_token_id,
                               tokenizer.pad_token_id, version, seed)

@@ -23,6 +23,7 @@ import secrets
 import time
 import uuid
 from functools import cached_property, partial
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -46,6 +47,9 @@ class ClusterRuntime:
         self.trainer = self.manager = None
         self.pools: dict[str, Any] = {}
         self.eval_turn = -1  # request_eval: whose turn it is
+        self.head: str | None = None  # the driver's Ray node on a real cluster
+        self.node_ips: dict[str, str] = {}  # Ray node id -> address, on a real cluster
+        self.staging: str | None = None  # user code staged for shipping (shipping.py)
 
     def __enter__(self) -> "ClusterRuntime":
         try:
@@ -82,29 +86,40 @@ class ClusterRuntime:
         # named, so that a restarted trainer finds them by name
         self.names = {k: f"laminar-{self.job}-{k}" for k in ("prompts", "partials", "buffer", "trainer")}
         db, self.resumed = self._prepare_pools()
+        here = {**LIGHT, **self._pin(self.head)}  # the pools write RUN_DIR/pools.db: the driver's node
         self.pools = {
-            "prompts": ray.remote(PromptPool).options(**LIGHT, name=self.names["prompts"]).remote(
+            "prompts": ray.remote(PromptPool).options(**here, name=self.names["prompts"]).remote(
                 sampler, 2 * cfg.cluster.wait_timeout_s, self.policy.max_outstanding, db, cfg.resume),
-            "partials": ray.remote(PartialPool).options(**LIGHT, name=self.names["partials"]).remote(
+            "partials": ray.remote(PartialPool).options(**here, name=self.names["partials"]).remote(
                 db, cfg.resume),
-            "buffer": ray.remote(ExperienceBuffer).options(**LIGHT, name=self.names["buffer"]).remote(
+            "buffer": ray.remote(ExperienceBuffer).options(**here, name=self.names["buffer"]).remote(
                 cfg.rollout.group_size, store=db, restore=cfg.resume),
         }
-        self.placement = place(cfg.rollout.num_workers, cfg.cluster.virtual_nodes, self._cluster_nodes())
+        nodes = self._cluster_nodes()
+        self.placement = place(cfg.rollout.num_workers, cfg.cluster.virtual_nodes,
+                               list(nodes) if nodes else None, self.head, cfg.cluster.rollouts_on_head)
         options = {r: self._pin(n) for r, n in self.placement.relay_node.items()}
-        self.relays = RelayGroup(self.placement.relay_ids, self.job, secret, cfg.relay, options)
+        self.relays = RelayGroup(self.placement.relay_ids, self.job, secret, cfg.relay, options,
+                                 {r: (nodes or {}).get(n) for r, n in self.placement.relay_node.items()},
+                                 timeout_s=cfg.cluster.wait_timeout_s)
+        if nodes:
+            print("placement: " + "; ".join(
+                f"relay {r} on {nodes[n]}" + ("" if k else " (master, with the trainer)") + ": "
+                + (", ".join(w for w, rr in self.placement.worker_relay.items() if rr == r) or "no rollouts")
+                for k, (r, n) in enumerate(self.placement.relay_node.items())), flush=True)
         for wid in self.placement.worker_relay:
             self.workers[wid] = self._start_rollout(wid)
+        trainer_opts = ({"resources": dict(cfg.cluster.trainer_resources)}
+                        if cfg.cluster.trainer_resources else self._pin(self.head))
         self.trainer = ray.remote(TrainerActor).options(
-            **THREADED, name=self.names["trainer"], max_restarts=cfg.trainer.max_restarts).remote(
+            **THREADED, **trainer_opts, name=self.names["trainer"],
+            max_restarts=cfg.trainer.max_restarts).remote(
             cfg, self.model_dir, self.relays.plan.to_dict(), secret, self.names)
         repack = cfg.manager.repack and self.policy.repacks
-        self.manager = ray.remote(ManagerActor).options(**THREADED).remote(
+        self.manager = ray.remote(ManagerActor).options(**THREADED, **self._pin(self.head)).remote(
             cfg, self.workers, dict(self.placement.worker_relay), self.pools, self.relays,
             self.names["trainer"], repack, self.policy.mixes_versions, self.rollout_spec)
-        self.wait_all({f"rollout worker {w}": h.snapshot.remote() for w, h in self.workers.items()}
-                      | {"trainer": self.trainer.metrics_since.remote(0),
-                         "rollout manager": self.manager.stats.remote()})
+        self._wait_started()
         if cfg.resume and not getattr(self.policy, "defers_resumed", False):
             self.hand_out_resumed()
         self.started_at = time.time()  # the driver's rows count from here
@@ -140,12 +155,49 @@ class ClusterRuntime:
             ray.get(self.pools["partials"].reassign.remote(
                 [m.request.request_id for m in mine], wid, [m.request for m in mine]))
 
+    def _wait_started(self) -> None:
+        """Every rollout, the trainer and the manager answer once; one that failed to start is
+        an error naming it and its node (e.g. a reward module that node cannot import)."""
+        refs = ({f"rollout worker {w}": h.snapshot.remote() for w, h in self.workers.items()}
+                | {"trainer": self.trainer.metrics_since.remote(0),
+                   "rollout manager": self.manager.stats.remote()})
+        try:
+            self.wait_all(refs)
+        except ray.exceptions.RayActorError:
+            for name, ref in refs.items():
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError as e:
+                    wid = name.removeprefix("rollout worker ")
+                    relay = self.placement.worker_relay.get(wid)
+                    node = self.node_ips.get(self.placement.relay_node.get(relay) or "", "")
+                    cause = getattr(e, "cause", None) or e
+                    last = str(cause).strip().splitlines()[-1] if str(cause).strip() else repr(cause)
+                    raise RuntimeError(f"{name}{f' on node {node}' if node else ''} failed to "
+                                       f"start: {last}") from None
+                except Exception:
+                    continue
+            raise
+
+    @cached_property
+    def model_source(self) -> Any:
+        """The starting model as rollouts get it: its path on one machine; on a cluster, the
+        directory through the object store for nodes that do not have it (shipping.py)."""
+        if not self.cfg.cluster.address:
+            return self.model_dir
+        from pathlib import Path
+
+        from laminar.runtime.shipping import ShippedDir, fingerprint, pack
+
+        d = Path(self.model_dir)
+        return ShippedDir(str(d), fingerprint(d), ray.put(pack(d)))
+
     @cached_property
     def rollout_spec(self) -> Any:
         """How a rollout actor starts; the manager starts a dead one's replacement from it."""
         from laminar.manager.actor import RolloutSpec
 
-        return RolloutSpec(self.cfg, self.model_dir, self.start_version,
+        return RolloutSpec(self.cfg, self.model_source, self.start_version,
                            {r: info.to_dict() for r, info in self.relays.infos.items()},
                            {r: {**THREADED, **self._pin(n)} for r, n in self.placement.relay_node.items()},
                            self.pools, ray.put(self.policy))
@@ -180,17 +232,29 @@ class ClusterRuntime:
                     "the cluster there (`ray start --head` on that machine), fix the address, or "
                     "unset cluster.address to run on an embedded local cluster") from None
         if address:
-            ray.init(address=address, include_dashboard=False,
+            import tempfile
+
+            from laminar.runtime.shipping import user_runtime_env
+
+            self.staging = tempfile.mkdtemp(prefix="laminar-ship-")
+            runtime_env, notes = user_runtime_env(self.cfg.task, Path(self.staging))
+            for note in notes:
+                print(f"shipping {note}", flush=True)
+            ray.init(address=address, include_dashboard=False, runtime_env=runtime_env or None,
                      log_to_driver=True, configure_logging=False)
         else:
             ray.init(num_cpus=self.cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
                      log_to_driver=True, configure_logging=False)
         self.started_ray = True
 
-    def _cluster_nodes(self) -> list[str] | None:
+    def _cluster_nodes(self) -> dict[str, str] | None:
+        """Node id -> address of the live nodes of a real cluster (None: one machine); the
+        driver's node is `self.head`."""
         if not self.cfg.cluster.address:
             return None
-        return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+        self.head = ray.get_runtime_context().get_node_id()
+        self.node_ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        return self.node_ips
 
     @staticmethod
     def _pin(node: str | None) -> dict[str, Any]:
@@ -363,6 +427,11 @@ class ClusterRuntime:
     # ------------------------------------------------------------------------- stop
 
     def shutdown(self) -> None:
+        if self.staging:
+            import shutil
+
+            shutil.rmtree(self.staging, ignore_errors=True)
+            self.staging = None
         if not ray.is_initialized():
             return
         if self.relays is not None:

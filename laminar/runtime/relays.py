@@ -29,26 +29,74 @@ from laminar.relay.store import cleanup
 log = logging.getLogger("laminar.relay")
 
 
+def relay_actor_name(job: str, relay_id: str) -> str:
+    """Relays are named actors, so `laminar cluster status` finds a running job's relays."""
+    return f"laminar-{job}-relay-{relay_id}"
+
+
 def start_relay_actor(relay_id: str, job: str, secret: bytes, cfg: RelayConfig | None = None,
-                      **options: Any) -> Any:
-    """One relay actor (pass e.g. scheduling_strategy to pin it to a node). The actor is
-    threaded so heartbeats are answered while a publish is running."""
-    opts = {"num_cpus": 0, "max_concurrency": 8, **options}
-    return ray.remote(Relay).options(**opts).remote(relay_id, job, secret, cfg)
+                      node_ip: str | None = None, **options: Any) -> Any:
+    """One relay actor (pass e.g. scheduling_strategy to pin it to a node; `node_ip`: that
+    node's cluster address, which relay.host resolves against). The actor is threaded so
+    heartbeats are answered while a publish is running."""
+    opts = {"num_cpus": 0, "max_concurrency": 8, "name": relay_actor_name(job, relay_id),
+            "namespace": "laminar", **options}
+    return ray.remote(Relay).options(**opts).remote(relay_id, job, secret, cfg, node_ip=node_ip)
 
 
 class RelayGroup:
     def __init__(self, ids: list[str], job: str, secret: bytes, cfg: RelayConfig | None = None,
-                 options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+                 options: Mapping[str, Mapping[str, Any]] | None = None,
+                 node_ips: Mapping[str, str | None] | None = None, timeout_s: float = 60.0) -> None:
         self.job, self.cfg = job, cfg or RelayConfig()
-        self.actors = {i: start_relay_actor(i, job, secret, self.cfg, **dict((options or {}).get(i, {})))
+        self.node_ips = dict(node_ips or {})
+        self.actors = {i: start_relay_actor(i, job, secret, self.cfg, self.node_ips.get(i),
+                                            **dict((options or {}).get(i, {})))
                        for i in ids}
-        infos = ray.get([self.actors[i].heartbeat.remote() for i in ids], timeout=60)
+        infos = self._first_heartbeats(ids, timeout_s)
         self.infos = {h["id"]: RelayInfo.from_dict(h["info"]) for h in infos}
         self.pids = {h["id"]: h["pid"] for h in infos}
         self.latest: dict[str, int | None] = {h["id"]: h["latest"] for h in infos}  # at the last check
         self.plan = ChainPlan(tuple(ids), self.infos, 1)
+        self._check_links()
         self._broadcast_plan()
+
+    def _where(self, relay_id: str) -> str:
+        ip = self.node_ips.get(relay_id)
+        return f"relay {relay_id} (node {ip})" if ip else f"relay {relay_id}"
+
+    def _first_heartbeats(self, ids: list[str], timeout_s: float) -> list[dict[str, Any]]:
+        """Every relay's first heartbeat; a relay that failed to start (an address it cannot
+        bind, a node it cannot run on) is an error naming it and its node."""
+        refs = {i: self.actors[i].heartbeat.remote() for i in ids}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        out = []
+        for i, ref in refs.items():
+            if ref not in ready:
+                raise RuntimeError(f"{self._where(i)} did not start within {timeout_s:.0f}s; is "
+                                   "its node alive and does it have the resources?")
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayActorError as e:
+                cause = getattr(e, "cause", None) or e
+                raise RuntimeError(f"{self._where(i)} failed to start: "
+                                   f"{str(cause).strip().splitlines()[-1]}") from None
+        return out
+
+    def _check_links(self) -> None:
+        """Every link of the chain, tried before any weights travel: the predecessor connects to
+        its successor's advertised address and proves the secret. A blocked port or a wrong
+        address fails here, naming both ends, instead of as a cut-out relay later."""
+        links = [(a, b) for a, b in zip(self.plan.order, self.plan.order[1:])]
+        refs = [self.actors[a].probe.remote(*self.infos[b].address) for a, b in links]
+        for (a, b), err in zip(links, ray.get(refs, timeout=3 * self.cfg.timeout_s + 30)):
+            if err is not None:
+                host, port = self.infos[b].address
+                raise RuntimeError(
+                    f"{self._where(a)} cannot reach {self._where(b)} at {host}:{port}: {err}. The "
+                    "relays' TCP ports must be open between nodes on the weight network (pin them "
+                    "with relay.port_range and open that range), and relay.host must name that "
+                    "network (an interface or a CIDR)")
 
     @property
     def master(self) -> str | None:

@@ -136,8 +136,13 @@ def _module_from_file(path: str, file: str, key: str) -> Any:
 
     where = Path(file).resolve()
     if not where.is_file():
-        raise ConfigError(f"{key}='{path}': no file {where}; give a path relative to the "
-                          "config file (or absolute)")
+        from laminar.runtime.shipping import shipped_copy  # on a cluster node: the shipped copy
+
+        copy = shipped_copy(where)
+        if copy is None:
+            raise ConfigError(f"{key}='{path}': no file {where}; give a path relative to the "
+                              "config file (or absolute)")
+        where = copy
     name = f"laminar_user_{where.stem}_{abs(hash(str(where))) % 10**8}"
     if name in sys.modules:
         return sys.modules[name]

@@ -1,0 +1,182 @@
+"""User code and the starting model, to every node of a cluster.
+
+On one machine every actor sees the driver's files. On a cluster a node has the installed
+packages (laminar, its dependencies: an image or an environment set up alike on every node) but
+not the driver's folders, so the runtime ships what the config names:
+
+- **files** named as `task.reward: my_reward.py:fn` / `task.env: my_envs.py:Env` (and any other
+  `*.py:name` target of the task): the folder holding each is copied into a package
+  `laminar_user_<hash>` (its `.py` files and small data files, not hidden folders or large
+  files) and handed to Ray as `runtime_env.py_modules`; `LAMINAR_SHIPPED` (an environment
+  variable of every worker) maps the driver's folder to that package, and
+  `laminar.tasks.rewards.import_target` loads the file from the package's copy on a node where
+  the driver's path does not exist.
+- **dotted targets** (`my_pkg.rewards:fn`) whose top-level package lives outside
+  site-packages (a folder on the driver's PYTHONPATH) go as `py_modules` under their own name;
+  installed packages are expected on every node.
+- **the starting model directory** (a local Hugging Face directory, or the SFT warm start)
+  goes through Ray's object store once; a rollout on a node without that directory unpacks it
+  into a node-local cache keyed by the directory's fingerprint (`materialize`).
+
+A target that still cannot be imported on a node fails that rollout's start with the config key,
+the node's address and the import error (the runtime reports it; see cluster.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SHIPPED_ENV = "LAMINAR_SHIPPED"
+MAX_FILE = 1 << 20  # data files larger than this stay behind (say so in the log)
+MAX_TOTAL = 64 << 20
+
+
+def file_targets(task: Any) -> list[tuple[str, str]]:
+    """(config key, target) of every `file.py:name` target of the task section."""
+    out = []
+    for key in ("reward", "env", "agent"):
+        value = getattr(task, key, None)
+        if isinstance(value, str) and value.rpartition(":")[0].endswith(".py"):
+            out.append((f"task.{key}", value))
+    return out
+
+
+def dotted_targets(task: Any) -> list[tuple[str, str]]:
+    out = []
+    for key in ("reward", "env", "agent"):
+        value = getattr(task, key, None)
+        if isinstance(value, str) and ":" in value and not value.rpartition(":")[0].endswith(".py"):
+            out.append((f"task.{key}", value))
+    return out
+
+
+def _package_name(folder: Path) -> str:
+    return "laminar_user_" + hashlib.sha1(str(folder).encode()).hexdigest()[:10]
+
+
+def _stage(folder: Path, into: Path) -> tuple[Path, list[str]]:
+    """Copy `folder`'s code and small files into `into/<package>`; returns it and what was
+    left behind."""
+    dest = into / _package_name(folder)
+    skipped, total = [], 0
+    for src in sorted(folder.rglob("*")):
+        rel = src.relative_to(folder)
+        if any(p.startswith(".") or p == "__pycache__" for p in rel.parts) or not src.is_file():
+            continue
+        size = src.stat().st_size
+        if (src.suffix != ".py" and size > MAX_FILE) or total + size > MAX_TOTAL:
+            skipped.append(str(rel))
+            continue
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest / rel)
+        total += size
+    (dest / "__init__.py").touch()
+    return dest, skipped
+
+
+def _outside_site_packages(origin: str) -> bool:
+    roots = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib")}
+    return not any(origin.startswith(r) for r in roots) and "site-packages" not in origin
+
+
+def user_runtime_env(task: Any, staging: Path) -> tuple[dict[str, Any], list[str]]:
+    """Ray `runtime_env` that ships the task's user code, and notes of what was shipped."""
+    modules: list[str] = []
+    shipped: dict[str, str] = {}
+    notes = []
+    for key, target in file_targets(task):
+        folder = Path(target.rpartition(":")[0]).resolve().parent
+        if str(folder) in shipped:
+            continue
+        dest, skipped = _stage(folder, staging)
+        modules.append(str(dest))
+        shipped[str(folder)] = dest.name
+        notes.append(f"{key}: {folder} -> every node as {dest.name}"
+                     + (f" (left behind, too large: {', '.join(skipped[:5])}"
+                        f"{'...' if len(skipped) > 5 else ''})" if skipped else ""))
+    for key, target in dotted_targets(task):
+        top = target.rpartition(":")[0].split(".")[0]
+        if top == "laminar":
+            continue
+        spec = importlib.util.find_spec(top)
+        origin = (spec.submodule_search_locations or [spec.origin])[0] if spec else None
+        if origin and _outside_site_packages(str(origin)) and str(origin) not in modules:
+            modules.append(str(origin))
+            notes.append(f"{key}: package {top} ({origin}) -> every node")
+    if not modules:
+        return {}, notes
+    return {"py_modules": modules, "env_vars": {SHIPPED_ENV: json.dumps(shipped)}}, notes
+
+
+def shipped_copy(file: Path) -> Path | None:
+    """Where the copy of the driver's `file` is on this node (None: not shipped here)."""
+    shipped = json.loads(os.environ.get(SHIPPED_ENV) or "{}")
+    package = shipped.get(str(file.parent))
+    if package is None:
+        return None
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    copy = Path(list(spec.submodule_search_locations)[0]) / file.name
+    return copy if copy.is_file() else None
+
+
+# ------------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True)
+class ShippedDir:
+    """A directory in Ray's object store: `files` is an ObjectRef of {relative path: bytes}."""
+
+    source: str  # the driver's path
+    fingerprint: str
+    files: Any
+
+
+def fingerprint(directory: Path) -> str:
+    h = hashlib.sha1()
+    for p in sorted(directory.rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.relative_to(directory)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def pack(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def materialize(model: "str | ShippedDir") -> str:
+    """A path to the model directory on this node: the driver's path where it exists with the
+    same content, else an unpacked copy in a node-local cache (once per fingerprint)."""
+    if isinstance(model, str):
+        return model
+    src = Path(model.source)
+    if src.is_dir() and fingerprint(src) == model.fingerprint:
+        return str(src)
+    cache = Path(tempfile.gettempdir()) / "laminar-models" / model.fingerprint
+    if (cache / ".complete").exists():
+        return str(cache)
+    import ray
+
+    files = ray.get(model.files)
+    tmp = cache.with_name(f"{cache.name}.{os.getpid()}.part")
+    for rel, data in files.items():
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).write_bytes(data)
+    (tmp / ".complete").touch()
+    try:
+        tmp.rename(cache)
+    except OSError:  # another rollout on this node unpacked it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(cache)
