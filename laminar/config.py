@@ -158,6 +158,12 @@ class TaskConfig(Section):
         "folder), used with the task's prompts instead of the task's own environment.")
     env_args: dict[str, Any] = Field(default_factory=dict,
                                      description="Keyword arguments of the environment class.")
+    agent: str | None = Field(
+        None, description="An agent written against the OpenAI client, run as the environment of "
+        "the task's prompts: `my_agent.py:run` (relative to the config file's folder) or "
+        "`package.module:run`, with `async def run(client: openai.AsyncOpenAI, sample) -> float` "
+        "(the reward; or (reward, info)). Needs rollout.openai_server: true "
+        "(docs/openai-endpoint.md).")
     max_turns: int = Field(4, ge=1, description="Most model turns of one episode; the episode "
                            "ends (and is scored) after this many.")
     env_timeout_s: float = Field(
@@ -255,6 +261,16 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; 1.0 = off.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
     max_new_tokens: int = Field(80, ge=1, description="Response token budget.")
+    openai_server: bool = Field(
+        False, description="Serve an OpenAI-compatible endpoint (/v1/chat/completions, "
+        "/v1/completions) in each rollout, one session per episode of `task.agent`; the tokens "
+        "the policy generates for a session are its trajectory (docs/openai-endpoint.md).")
+    openai_host: str = Field(
+        "127.0.0.1", description="Address the endpoint listens on. Loopback by default (the agent "
+        "runs in the rollout's process); another address lets other machines in, with the job's "
+        "secret as the API key.")
+    openai_port: int = Field(0, ge=0, le=65535, description="Port of the endpoint; 0 = any free "
+                             "port (a fixed one fits one rollout per machine).")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engine.")
 
 
@@ -497,6 +513,15 @@ class Config(Section):
             raise ValueError(f"cluster.virtual_nodes={self.cluster.virtual_nodes} exceeds "
                              f"rollout.num_workers={self.rollout.num_workers}; every virtual node "
                              "needs at least one rollout worker")
+        if self.task.agent is not None and not self.rollout.openai_server:
+            raise ValueError(f"task.agent={self.task.agent!r} talks to the rollouts' OpenAI-"
+                             "compatible endpoint; set rollout.openai_server=true")
+        if self.rollout.openai_server and self.task.agent is None:
+            raise ValueError("rollout.openai_server=true serves the episodes of an agent; set "
+                             "task.agent (e.g. my_agent.py:run, docs/openai-endpoint.md)")
+        if self.task.agent is not None and self.task.env is not None:
+            raise ValueError(f"task.agent={self.task.agent!r} and task.env={self.task.env!r} are two "
+                             "environments for the same prompts; keep one")
         if self.trainer.mini_batches > self.trainer.prompts_per_step:
             raise ValueError(f"trainer.mini_batches={self.trainer.mini_batches} exceeds "
                              f"trainer.prompts_per_step={self.trainer.prompts_per_step}; a "
@@ -540,12 +565,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def _anchor_files(data: dict[str, Any], base: Path) -> None:
-    """`task.reward: my_reward.py:score` and `task.env: my_envs.py:Calc` name files; make a
-    relative one absolute against `base` (the config file's folder), so `laminar train
+    """`task.reward: my_reward.py:score`, `task.env: my_envs.py:Calc` and `task.agent:
+    my_agent.py:run` name files; make a relative one absolute against `base` (the config
+    file's folder), so `laminar train
     my_job.yaml` runs from any folder and the run's saved config.yaml (which `laminar resume`
     reads) still finds it."""
     task = data.get("task")
-    for key in ("reward", "env"):
+    for key in ("reward", "env", "agent"):
         value = task.get(key) if isinstance(task, dict) else None
         if isinstance(value, str):
             module, sep, attr = value.rpartition(":")
