@@ -35,6 +35,11 @@ hands it to another rollout (the object is pickled), so keep environment state p
 (plain data; reach processes and sandboxes through module-level pools such as
 `laminar.sandbox.shared_sandbox`). One whose environment cannot be pickled stays where it is.
 
+An environment that works in token ids subclasses `TokenEnv`: it renders its own prompt and
+observations with the rollout's template and sees each turn's ids, log-probs and finish reason
+(`Turn`). The OpenAI-compatible endpoint's agent episodes are one (laminar/envs/openai_agent.py):
+an agent's chat messages become tokens there, and the endpoint's answers carry token counts.
+
 The one-turn case is a reward: `RewardEnv` shows the equivalence (the built-in `reverse` and
 `dataset` tasks, and any `task.reward`, are this environment; the rollout runs them through its
 reward workers, laminar/tasks/reward_pool.py, which add process isolation, timeouts and
@@ -43,10 +48,13 @@ retries).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from laminar.config import ConfigError
 from laminar.types import PromptItem
+
+if TYPE_CHECKING:
+    from laminar.envs.template import TurnTemplate
 
 
 class StepResult(NamedTuple):
@@ -69,6 +77,29 @@ class Env:
 
     async def close(self) -> None:
         """Release what the episode holds; called once when the episode ends (or fails)."""
+
+
+class Turn(NamedTuple):
+    """A model turn as a `TokenEnv` sees it."""
+
+    text: str  # decoded from exactly token_ids (special tokens skipped)
+    token_ids: list[int]
+    logprobs: list[float]  # one per token, under the distribution it was sampled from
+    finish_reason: str  # "eos", "stop" (a stop string or stop token), "length" (the budget)
+    last: bool  # the episode ends after this step whatever it returns (max_turns or the budget)
+    room: int  # budget tokens left: an observation fits when it is shorter than this
+
+
+class TokenEnv(Env):
+    """An environment that reads and writes token ids. `reset_ids` returns the prompt ids and
+    `step_ids` a StepResult whose observation is ids (appended as they are, loss mask 0); an
+    observation that does not fit `turn.room` ends the episode as it does for `Env`."""
+
+    async def reset_ids(self, sample: PromptItem, template: TurnTemplate) -> list[int]:
+        raise NotImplementedError
+
+    async def step_ids(self, turn: Turn) -> StepResult:
+        raise NotImplementedError
 
 
 class RewardEnv(Env):

@@ -22,6 +22,8 @@ environment tokens alike; the environment's are recorded as spans (`Episode.env_
 log-prob 0, the turn's version and a loss mask of 0 (`Ended.loss_mask`). Generated tokens are
 never decoded and re-encoded into the transcript: the environment sees the turn's text
 (decoded from exactly its ids) and only its observation is encoded (laminar/envs/template.py).
+A `TokenEnv` renders its own prompt and observations from the template and receives each turn's
+ids (`Turn`); its ids are appended as they are.
 The budget `params.max_new_tokens` covers model and environment tokens together; an
 observation that does not fit ends the episode (with the step's reward, as the budget does).
 """
@@ -38,6 +40,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from laminar.envs.base import TokenEnv, Turn
 from laminar.envs.template import TurnTemplate, stop_sequences
 from laminar.models.tokenizer import decode_response
 from laminar.types import GenerationRequest, PromptGroup
@@ -156,8 +159,9 @@ class Episodes:
         ep = Episode(None, req, group)
         self.live[req.request_id] = ep
         try:
-            ep.env = self.task.make_env()
-            self._call(ep, "reset", ep.env.reset(group.item))
+            ep.env = env = self.task.make_env()
+            self._call(ep, "reset", env.reset_ids(group.item, self.template)
+                       if isinstance(env, TokenEnv) else env.reset(group.item))
         except Exception as e:  # a user's constructor or a reset that is not a coroutine
             self._fail(ep, "env_error", f"starting the environment raised {type(e).__name__}: {e}")
 
@@ -165,9 +169,17 @@ class Episodes:
         """The engine finished a model turn of `req`: hand its text to the environment."""
         ep = self.live[req.request_id]
         ep.turns += 1
-        text = decode_response(self.tokenizer, req.output_ids[ep.turn_start:])
+        ids = req.output_ids[ep.turn_start:]
+        text = decode_response(self.tokenizer, ids)
         try:
-            self._call(ep, "step", ep.env.step(text))
+            if isinstance(ep.env, TokenEnv):
+                last = ep.turns >= self.max_turns or req.finish_reason == "length"
+                room = req.params.max_new_tokens - len(req.output_ids)
+                turn = Turn(text, list(ids), list(req.logprobs[ep.turn_start:]),
+                            req.finish_reason or "stop", last, room)
+                self._call(ep, "step", ep.env.step_ids(turn))
+            else:
+                self._call(ep, "step", ep.env.step(text))
         except Exception as e:
             self._fail(ep, "env_error", f"step raised {type(e).__name__}: {e}")
 
@@ -257,11 +269,13 @@ class Episodes:
                 self._after_step(ep, result)
 
     def _after_reset(self, ep: Episode, observation: Any) -> None:
-        if not isinstance(observation, str):
-            self._fail(ep, "env_error", f"reset returned {type(observation).__name__}, not str")
+        tokens = isinstance(ep.env, TokenEnv)
+        if not (_is_ids(observation) if tokens else isinstance(observation, str)):
+            self._fail(ep, "env_error", f"reset returned {type(observation).__name__}, not "
+                       f"{'a list of token ids' if tokens else 'str'}")
             return
         req = ep.request
-        req.prompt_ids = self.template.prompt_ids(observation)
+        req.prompt_ids = list(observation) if tokens else self.template.prompt_ids(observation)
         req.output_ids, req.logprobs, req.token_versions = [], [], []
         self.ready.append(ep)
 
@@ -280,7 +294,14 @@ class Episodes:
         if done or ep.turns >= self.max_turns or req.finish_reason == "length":
             self._end(ep)
             return
-        ids = self.template.observation_ids(str(observation), req.finish_reason == "eos")
+        if isinstance(ep.env, TokenEnv):
+            if not _is_ids(observation):
+                self._fail(ep, "env_error", f"step_ids returned an observation of type "
+                           f"{type(observation).__name__}, not a list of token ids")
+                return
+            ids = list(observation)
+        else:
+            ids = self.template.observation_ids(str(observation), req.finish_reason == "eos")
         room = req.params.max_new_tokens - len(req.output_ids)
         if len(ids) >= room:  # no room for the observation and a next turn
             self._end(ep)
@@ -321,6 +342,10 @@ class Episodes:
             self.runner.submit(asyncio.wait_for(close(), self.timeout_s))
         except Exception:  # closing is best effort
             pass
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(i, int) for i in value)
 
 
 def step_episodes(engine: Any, episodes: Episodes) -> tuple[bool, list[Ended]]:

@@ -18,16 +18,22 @@ they are) and observation ids built here. Two templates:
 - **the built-in template** (no chat template, e.g. laminar's character tokenizer): plain text.
   The prompt is BOS + the first observation; an observation is its own text, appended as is
   (the environment writes its own framing, such as `\\n<out>4</out>\\n`).
+
+Both methods also take chat messages (`[{"role": ..., "content": ...}]`, content a string) in
+place of the text: the chat template renders them with their own roles (a prompt with a system
+message, a user's follow-up); the built-in template appends their contents as text.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 from laminar.models.tokenizer import encode_prompt
 
 # A stand-in conversation for measuring what the chat template puts around an observation.
 _PROBE = [{"role": "user", "content": "probe"}, {"role": "assistant", "content": "probe"}]
+
+Observation = Union[str, list[dict[str, Any]]]  # text, or chat messages
 
 
 def _ids(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
@@ -54,18 +60,18 @@ class TurnTemplate:
     def name(self) -> str:
         return "chat" if self.chat else "built-in"
 
-    def prompt_ids(self, observation: str) -> list[int]:
+    def prompt_ids(self, observation: Observation) -> list[int]:
         if not self.chat:
-            return encode_prompt(self.tokenizer, observation)
-        return _ids(self.tokenizer, [{"role": "user", "content": observation}], True)
+            return encode_prompt(self.tokenizer, _text(observation))
+        return _ids(self.tokenizer, _messages(observation, "user"), True)
 
-    def observation_ids(self, observation: str, ended_with_eos: bool) -> list[int]:
+    def observation_ids(self, observation: Observation, ended_with_eos: bool) -> list[int]:
         """The ids that follow a model turn: its end token when the turn lacked one (chat
         template only), the observation, and the next generation prompt."""
         if not self.chat:
-            return list(self.tokenizer.encode(observation, add_special_tokens=False))
+            return list(self.tokenizer.encode(_text(observation), add_special_tokens=False))
         base = _ids(self.tokenizer, _PROBE, False)
-        full = _ids(self.tokenizer, [*_PROBE, {"role": self.role, "content": observation}], True)
+        full = _ids(self.tokenizer, [*_PROBE, *_messages(observation, self.role)], True)
         cut = _after_last(base, self.eos)
         if full[:cut] != base[:cut]:
             raise ValueError("the chat template renders a conversation differently once an "
@@ -73,6 +79,14 @@ class TurnTemplate:
                              "exactly with it")
         head = [] if ended_with_eos or self.eos is None else [self.eos]
         return head + full[cut:]
+
+
+def _messages(observation: Observation, role: str) -> list[dict[str, Any]]:
+    return [{"role": role, "content": observation}] if isinstance(observation, str) else observation
+
+
+def _text(observation: Observation) -> str:
+    return observation if isinstance(observation, str) else "".join(m["content"] for m in observation)
 
 
 def _after_last(ids: list[int], token: int | None) -> int:

@@ -2,7 +2,8 @@
 
 `build_task(cfg, sandbox)` returns a `Task` with training prompts, held-out evaluation prompts
 and either a scoring function (one turn: `reverse`, `dataset`) or an environment factory (many
-turns, laminar/envs: the built-in agentic `calc`, or any `task.env` with the task's prompts).
+turns, laminar/envs: the built-in agentic `calc`, any `task.env` with the task's prompts, or
+a `task.agent` written against the OpenAI client).
 Your own data: `dataset` (JSONL/Parquet) with any reward given as a dotted path or a file (see
 `laminar.tasks.rewards`).
 """
@@ -74,7 +75,12 @@ def build_task(cfg: TaskConfig, sandbox: SandboxConfig | None = None,
         picks = rng.choice(len(train), size=min(cfg.eval_prompts, len(train)), replace=False)
         held_out = [train[i] for i in sorted(picks)]
     task = Task(cfg.name, train, held_out, reward_fn, report)
-    if cfg.env is not None:  # the user's environment on the task's prompts
+    if cfg.agent is not None:  # an OpenAI-client agent on the task's prompts
+        from laminar.envs.openai_agent import AgentEnv, resolve_agent
+
+        agent = resolve_agent(cfg.agent)
+        task.make_env, task.stop = (lambda: AgentEnv(agent, cfg.agent)), ()
+    elif cfg.env is not None:  # the user's environment on the task's prompts
         from laminar.envs.base import make_env, resolve_env
 
         cls, args = resolve_env(cfg.env), dict(cfg.env_args)
