@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev,plots]"
+	$(BIN)/python -m pip install -q -e ".[dev,plots,tasks]"
 	@touch $(STAMP)
 
 install: $(STAMP)
