@@ -28,6 +28,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -252,3 +253,24 @@ def serve(host: str, port: int, secret: str | None, runner: Any, timeout_s: floa
         raise ConfigError(f"rollout.openai_host={host!r} rollout.openai_port={port}: cannot listen "
                           f"({e}); use an address of this machine and a free port, or port 0 (any "
                           "free port)") from None
+
+
+def serve_rollout(cfg: Any, rollout_id: str) -> Server:
+    """A rollout's endpoint as `rollout.openai_*` say, started on the process's environment
+    thread; prints where it listens. `openai_host` takes relay.host's forms (laminar/relay/
+    address.py: an address, an interface name, a CIDR, 0.0.0.0), resolved on this node."""
+    from laminar.config import ConfigError
+    from laminar.envs.episode import _RUNNER
+    from laminar.relay.address import AddressError, local_interfaces, resolve_host
+
+    try:
+        host, _ = resolve_host(cfg.rollout.openai_host, None, local_interfaces())
+    except AddressError as e:
+        raise ConfigError(str(e).replace("relay.host", "rollout.openai_host")) from None
+    secret = os.environ.get(cfg.relay.secret_env) or None
+    server = serve(host, cfg.rollout.openai_port, secret, _RUNNER)
+    key = (f"the job secret (${cfg.relay.secret_env})" if secret else "a random key that only this "
+           f"process's agents hold (set ${cfg.relay.secret_env} to choose the job's)")
+    print(f"rollout {rollout_id}: OpenAI-compatible endpoint {server.url}/s/<session>/v1, one "
+          f"session per episode; API key: {key}", flush=True)
+    return server

@@ -111,6 +111,10 @@ class RolloutActor:
         io = RolloutIO(RayPrompts(pools["prompts"]), RayPartials(pools["partials"]),
                        RayBuffer(pools["buffer"]), RelayWeights(relay, cfg.relay))
         task = build_task(cfg.task, cfg.sandbox, prompts=False)
+        if cfg.rollout.openai_server:  # task.agent's endpoint, started now: a bad address fails here
+            from laminar.envs.openai_server import serve_rollout
+
+            serve_rollout(cfg, rollout_id)
         finisher = make_finisher(cfg, task, tokenizer, seed)
         evaluator = Evaluator.copying(engine, cfg.rollout.engine, tokenizer, task, seed, finisher.rewards,
                                            make_episodes(cfg, task, tokenizer))

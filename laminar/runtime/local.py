@@ -92,6 +92,10 @@ class LocalRuntime:
         self.task = build_task(cfg.task, cfg.sandbox)
         if self.task.load_report:
             print(self.task.load_report.summary())
+        if cfg.rollout.openai_server:  # task.agent's endpoint: one for the rollouts of this process
+            from laminar.envs.openai_server import serve_rollout
+
+            serve_rollout(cfg, "local")
         model, self.tokenizer = load_pretrained(self.model_dir, cfg.model.attn_implementation)
         sampler = PromptSampler(self.task.train, partial(encode_prompt, self.tokenizer),
                                 cfg.rollout.group_size, seed=cfg.task.seed)
