@@ -160,7 +160,7 @@ class AgentEnv(TokenEnv):
                                                "reward"), True
                 event.reply(*error(400, self.refusing, "context_length_exceeded", "messages"))
                 continue
-            self._extend(event, new)
+            self.history = self.history + new
             self.call = event
             self.num_context += len(ids)
             return StepResult(ids, 0.0, False, {})
@@ -239,9 +239,6 @@ class AgentEnv(TokenEnv):
             return list(self.template.tokenizer.encode(new, add_special_tokens=False))
         return self.template.observation_ids(_for_template(new), ended_with_eos)
 
-    def _extend(self, call: Call, new: list[dict[str, str]] | str) -> None:
-        self.history = self.history + new
-
     def _answer(self, turn: Turn) -> None:
         """Reply to the waiting request with the model's turn."""
         call, self.call = self.call, None
@@ -267,9 +264,11 @@ class AgentEnv(TokenEnv):
             logprobs = None
             if call.body.get("logprobs") is not None:
                 pairs = self._tokens(turn)
-                offsets = [sum(len(t) for t, _ in pairs[:i]) + len(self.history) for i in range(len(pairs))]
+                offsets = [len(self.history)]
+                for t, _ in pairs[:-1]:
+                    offsets.append(offsets[-1] + len(t))
                 logprobs = {"tokens": [t for t, _ in pairs], "token_logprobs": [lp for _, lp in pairs],
-                            "top_logprobs": None, "text_offset": offsets}
+                            "top_logprobs": None, "text_offset": offsets[:len(pairs)]}
             call.reply(200, {"id": f"cmpl-{self.session.id}-{self.turns}",
                              "object": "text_completion", **head, "choices": [{
                                  "index": 0, "finish_reason": finish, "logprobs": logprobs,
