@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import http.client
 import json
+import textwrap
 import time
 from pathlib import Path
 
@@ -401,3 +402,67 @@ def test_agent_config_errors_name_the_key(tmp_path):
     cfg = load_config(None, [*base, f"task.agent={tmp_path}/a.py:one", "rollout.openai_host=nic9"])
     with pytest.raises(ConfigError, match="rollout.openai_host='nic9' is not an interface"):
         serve_rollout(cfg, "r0")
+
+
+E2E_AGENT = '''
+import json
+import openai
+from laminar.tasks.rewards import similarity
+
+async def run(client, sample):
+    """Two turns: the prompt, then "=" (the model tries again); scored by its last answer."""
+    messages = [{{"role": "user", "content": sample.prompt}}]
+    r = await client.chat.completions.create(model="policy", messages=messages)
+    first, last = r.usage, r.usage
+    text = r.choices[0].message.content
+    if r.choices[0].finish_reason == "stop":
+        messages += [{{"role": "assistant", "content": text}}, {{"role": "user", "content": "="}}]
+        try:
+            r = await client.chat.completions.create(model="policy", messages=messages)
+            text, last = r.choices[0].message.content, r.usage
+        except openai.BadRequestError:  # "=" did not fit in the budget
+            pass
+    reward = round(similarity(text, sample.answer), 4)
+    with open({log!r}, "a") as f:  # what the endpoint said, to compare with what was trained
+        f.write(json.dumps({{"reward": reward,
+                             "response_len": last.total_tokens - first.prompt_tokens}}) + "\\n")
+    return reward
+'''
+
+
+def test_training_with_an_agent_on_ray(tmp_path, ray_cluster):
+    """Three steps on Ray: rollouts serve the endpoint, the agent's episodes are trained, and
+    every trained trajectory is one the agent saw: its reward, and its length as the endpoint's
+    usage counted it (prompt and completion tokens, no re-tokenization)."""
+    from collections import Counter
+
+    from laminar.metrics import read_metrics
+    from laminar.modes import run_training
+
+    log = tmp_path / "agent.jsonl"
+    (tmp_path / "agent.py").write_text(E2E_AGENT.format(log=str(log)))
+    run_dir = tmp_path / "run"
+    job = tmp_path / "job.yaml"
+    job.write_text(textwrap.dedent(f"""
+        task: {{name: reverse, agent: "agent.py:run", max_turns: 2, reverse: {{max_len: 6}},
+                eval_prompts: 4}}
+        sft: {{enabled: false}}
+        mode: laminar
+        rollout: {{openai_server: true, num_workers: 1, max_new_tokens: 24, group_size: 2,
+                   batch_groups: 2, engine: {{max_batch_size: 8}}}}
+        cluster: {{wait_timeout_s: 120}}
+        trainer: {{prompts_per_step: 2, total_steps: 3, threads: 1, eval_every: 0}}
+        metrics: {{tensorboard: false}}
+        run_dir: {run_dir}
+        """))
+    report = run_training(load_config(str(job), []))
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    trained = [json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert len(trained) == len({t["traj_id"] for t in trained}) == 3 * 2 * 2
+    assert all(t["failed"] is None for t in trained)
+    seen = Counter((r["reward"], r["response_len"])
+                   for r in map(json.loads, log.read_text().splitlines()))
+    assert Counter((t["reward"], t["response_len"]) for t in trained) <= seen
+    assert any(2 in r["turns"] for r in rows), "no episode took its second turn"
+    assert report["exactly_once"]["ok"]
