@@ -5,7 +5,9 @@ and either a scoring function (one turn: `reverse`, `dataset`) or an environment
 turns, laminar/envs: the built-in agentic `calc`, any `task.env` with the task's prompts, or
 a `task.agent` written against the OpenAI client).
 Your own data: `dataset` (JSONL/Parquet) with any reward given as a dotted path or a file (see
-`laminar.tasks.rewards`).
+`laminar.tasks.rewards`). From the field (the `tasks` extra): `reasoning_gym` (its generators,
+scored by their own `score_answer`) and `humaneval` (completions run against the problems' tests
+in the sandbox), both one-turn environments (docs/tasks.md says why).
 """
 
 from __future__ import annotations
@@ -74,6 +76,14 @@ def build_task(cfg: TaskConfig, sandbox: SandboxConfig | None = None,
         rng = np.random.default_rng(cfg.seed)
         picks = rng.choice(len(train), size=min(cfg.eval_prompts, len(train)), replace=False)
         held_out = [train[i] for i in sorted(picks)]
+    elif cfg.name == "reasoning_gym" and prompts:
+        from laminar.tasks import reasoning_gym
+
+        train, held_out = reasoning_gym.make_prompts(cfg.reasoning_gym, cfg.eval_prompts)
+    elif cfg.name == "humaneval" and prompts:
+        from laminar.tasks import humaneval
+
+        train, held_out = humaneval.make_prompts(cfg.humaneval, cfg.eval_prompts, seed=cfg.seed)
     task = Task(cfg.name, train, held_out, reward_fn, report)
     if cfg.agent is not None:  # an OpenAI-client agent on the task's prompts
         from laminar.envs.openai_agent import AgentEnv, resolve_agent
@@ -93,6 +103,21 @@ def build_task(cfg: TaskConfig, sandbox: SandboxConfig | None = None,
         box = sandbox or SandboxConfig()
         task.make_env, task.stop = (lambda: CalcEnv(box)), tuple(CalcEnv.stop)
         task.demonstrate = calc.demonstration
+    elif cfg.name == "reasoning_gym":
+        from laminar.tasks import reasoning_gym
+
+        reasoning_gym.load()  # the missing extra is named here, also where prompts are not made
+        rg = cfg.reasoning_gym
+        task.make_env = lambda: reasoning_gym.ReasoningGymEnv(rg)
+        task.demonstrate = reasoning_gym.demonstration
+    elif cfg.name == "humaneval":
+        from laminar.envs.humaneval import HumanEvalEnv
+        from laminar.tasks import humaneval
+
+        humaneval.load()
+        he, box = cfg.humaneval, sandbox or SandboxConfig()
+        task.make_env, task.stop = (lambda: HumanEvalEnv(he, box)), humaneval.stop_strings(he)
+        task.demonstrate = humaneval.demonstration
     return task
 
 
