@@ -126,6 +126,18 @@ async def completes(client, sample):
     return 1.0
 
 
+async def stops(client, sample):
+    """`stop` ends a turn at any of its strings, and the reply leaves the string out."""
+    messages, replies = [{"role": "user", "content": sample.prompt}], []
+    for stop in (list("abcdefghijklmnopqrstuvwxyz"), list("ABCDEFGHIJKLMNOPQRSTUVWXYZ")):
+        r = await client.chat.completions.create(model="p", messages=messages, stop=stop)
+        replies.append((r.choices[0].message.content, stop))
+        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": "!"}]
+    SEEN[("stops", sample.index)] = replies
+    return 1.0
+
+
 async def two_at_once(client, sample):
     m = [{"role": "user", "content": sample.prompt}]
     out = await asyncio.gather(client.chat.completions.create(model="p", messages=m),
@@ -298,6 +310,27 @@ def test_completions_endpoint_continues_the_text(agents):
         assert texts[0][2] == pytest.approx(req.logprobs[a:b])
         assert req.output_ids[b:c] == tokenizer.encode("<obs0>", add_special_tokens=False)
         assert [t for t, m in zip(req.output_ids, e.loss_mask) if m] == eng.tokens[req.request_id]
+
+
+def test_stop_strings_end_a_turn(agents):
+    tokenizer = build_char_tokenizer()
+    seen = resolve_agent(f"{agents}:stops").__globals__["SEEN"]
+    ended, _, _ = run(agent_task(agents, "stops"), tokenizer, n=6)
+    by_stop = 0
+    for e, item in ended:
+        req = e.request
+        assert e.failed is None and e.turns == 2
+        model_runs = [(a, b) for a, b, m in runs_of(e.loss_mask) if m]
+        for (a, b), (reply, stop) in zip(model_runs, seen[("stops", item.index)]):
+            text = tokenizer.decode(req.output_ids[a:b], skip_special_tokens=True)
+            stop = [stop] if isinstance(stop, str) else stop
+            assert not any(s in text[:-1] for s in stop)  # nothing past the first stop string
+            if text and text[-1] in "".join(stop):
+                assert reply == text[:-1]
+                by_stop += 1
+            else:
+                assert reply == text
+    assert by_stop >= 3, by_stop
 
 
 def test_agent_failures_end_the_episode_as_the_environment_api_says(agents):

@@ -93,7 +93,11 @@ class Turn(NamedTuple):
 class TokenEnv(Env):
     """An environment that reads and writes token ids. `reset_ids` returns the prompt ids and
     `step_ids` a StepResult whose observation is ids (appended as they are, loss mask 0); an
-    observation that does not fit `turn.room` ends the episode as it does for `Env`."""
+    observation that does not fit `turn.room` ends the episode as it does for `Env`.
+    `turn_stops`, when set by the call, are the next turn's stop sequences (token ids) instead
+    of the task's."""
+
+    turn_stops: tuple[tuple[int, ...], ...] | None = None
 
     async def reset_ids(self, sample: PromptItem, template: TurnTemplate) -> list[int]:
         raise NotImplementedError

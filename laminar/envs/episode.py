@@ -277,6 +277,8 @@ class Episodes:
         req = ep.request
         req.prompt_ids = list(observation) if tokens else self.template.prompt_ids(observation)
         req.output_ids, req.logprobs, req.token_versions = [], [], []
+        if tokens:
+            self._turn_stops(ep)
         self.ready.append(ep)
 
     def _after_step(self, ep: Episode, result: Any) -> None:
@@ -300,6 +302,7 @@ class Episodes:
                            f"{type(observation).__name__}, not a list of token ids")
                 return
             ids = list(observation)
+            self._turn_stops(ep)
         else:
             ids = self.template.observation_ids(str(observation), req.finish_reason == "eos")
         room = req.params.max_new_tokens - len(req.output_ids)
@@ -315,6 +318,12 @@ class Episodes:
         ep.turn_start = len(req.output_ids)
         req.finish_reason = None
         self.ready.append(ep)
+
+    def _turn_stops(self, ep: Episode) -> None:
+        """A TokenEnv may set its next turn's stop sequences."""
+        stops = ep.env.turn_stops
+        if stops is not None:
+            ep.request.params = dataclasses.replace(ep.request.params, stop_sequences=stops)
 
     def _end(self, ep: Episode, failed: str | None = None, error: str | None = None) -> None:
         self.live.pop(ep.request.request_id, None)

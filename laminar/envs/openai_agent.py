@@ -23,11 +23,13 @@ turns). A request that edits the history fails the episode (`env_error`), as a d
 transcript cannot be trained token-exactly. `/v1/completions` is the same with text: the next
 prompt must start with the previous prompt plus the completion.
 
-What a request may set: the rollout's sampling (rollout.temperature, top_p, top_k) always
-applies and its budget (rollout.max_new_tokens, model and observation tokens together, and
-task.max_turns) ends the episode, so `temperature`, `top_p`, `max_tokens`, `stop`, `seed` and
-the like are ignored; `stream`, `n` > 1, `tools`/`functions`, `response_format` other than text,
-`top_logprobs`, and `echo`/`suffix`/`best_of` (completions) are refused (400). After the last
+What a request may set: `stop` (strings that end the turn; the reply leaves the stop string
+out, as OpenAI's does, while the context keeps its tokens) and `logprobs`. The rollout's
+sampling (rollout.temperature, top_p, top_k) always applies and its budget (rollout.max_new_tokens,
+model and observation tokens together, and task.max_turns) ends the episode, so `temperature`,
+`top_p`, `max_tokens`, `seed` and the like are ignored; `stream`, `n` > 1, `tools`/`functions`,
+`response_format` other than text, `top_logprobs`, and `echo`/`suffix`/`best_of` (completions)
+are refused (400). After the last
 turn (finish_reason `length` when the budget ran out), further requests are refused (400,
 `context_length_exceeded`, also for a request whose new messages do not fit): the agent should
 return its reward; one that raises instead is scored 0 (a truncated episode, not a failure).
@@ -44,6 +46,7 @@ from typing import Any, Callable, NamedTuple
 from laminar.config import ConfigError
 from laminar.envs.base import StepResult, TokenEnv, Turn
 from laminar.envs.openai_server import MODEL, Call, Server, error, running_server
+from laminar.envs.template import stop_sequences
 from laminar.models.tokenizer import encode_prompt
 from laminar.types import PromptItem
 
@@ -104,6 +107,7 @@ class AgentEnv(TokenEnv):
         self.turns = 0
         self.refusing = ""  # why requests are refused (set after the last turn)
         self.refused = False  # a request was refused for a limit: an agent that raises scored 0
+        self.stops: tuple[str, ...] = ()  # the waiting request's `stop` strings
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("an agent's episode is a coroutine running in this process; it cannot move")
@@ -128,6 +132,7 @@ class AgentEnv(TokenEnv):
                                  + _raised(event.error))
             try:
                 ids = self._first(event)
+                self._set_stops(event)
             except BadRequest as e:
                 event.reply(*error(400, str(e), param=e.param))
                 continue
@@ -147,6 +152,7 @@ class AgentEnv(TokenEnv):
             try:
                 new = self._extension(event)
                 ids = self._render(new, ended_with_eos=turn.finish_reason == "eos")
+                self._set_stops(event)
             except BadRequest as e:
                 event.reply(*error(400, str(e), param=e.param))
                 continue
@@ -234,6 +240,14 @@ class AgentEnv(TokenEnv):
                              "assistant turns are the model's own tokens, not the agent's to write")
         return new
 
+    def _set_stops(self, call: Call) -> None:
+        stop = call.body.get("stop")
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+            raise BadRequest("stop must be a string or a list of non-empty strings", "stop")
+        self.stops = tuple(stops)
+        self.turn_stops = stop_sequences(self.template.tokenizer, self.stops)
+
     def _render(self, new: list[dict[str, str]] | str, ended_with_eos: bool) -> list[int]:
         if isinstance(new, str):
             return list(self.template.tokenizer.encode(new, add_special_tokens=False))
@@ -244,6 +258,8 @@ class AgentEnv(TokenEnv):
         call, self.call = self.call, None
         self.turns += 1
         text = turn.text
+        if turn.finish_reason == "stop":  # the stop string is left out of the reply, as OpenAI's
+            text = next((text[:-len(s)] for s in self.stops if text.endswith(s)), text)
         finish = "length" if turn.finish_reason == "length" else "stop"
         usage = {"prompt_tokens": self.num_context, "completion_tokens": len(turn.token_ids),
                  "total_tokens": self.num_context + len(turn.token_ids)}
