@@ -73,6 +73,12 @@ async def three_turns(client, sample):
     return 0.25 * len(seen["turns"])
 
 
+async def closes_client(client, sample):
+    async with client:  # closes it: the other episodes' connections stay open
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+    return 1.0
+
+
 async def edits_history(client, sample):
     r = await client.chat.completions.create(model="p", messages=[{"role": "user", "content": sample.prompt}])
     await client.chat.completions.create(model="p", messages=[
@@ -337,10 +343,12 @@ def test_agent_failures_end_the_episode_as_the_environment_api_says(agents):
     tokenizer = build_char_tokenizer()
     seen = resolve_agent(f"{agents}:overruns").__globals__["SEEN"]
     outcome = {}
-    for name in ("edits_history", "raises", "never_asks", "says_yes", "overruns", "gives_up",
+    for name in ("closes_client", "edits_history", "raises", "never_asks", "says_yes", "overruns", "gives_up",
                  "two_at_once"):
         ended, _, episodes = run(agent_task(agents, name), tokenizer, n=2, max_turns=2)
         outcome[name] = ([e for e, _ in ended], dict(episodes.failed_by_reason))
+    ended, failed = outcome["closes_client"]
+    assert failed == {} and all(e.reward == 1.0 for e in ended)
     ended, failed = outcome["edits_history"]
     assert failed == {"env_error": 2}
     assert all("do not extend the conversation so far: message 0 was user" in e.error and

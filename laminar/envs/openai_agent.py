@@ -120,7 +120,7 @@ class AgentEnv(TokenEnv):
         self.template = template
         self.server = server = await running_server()
         if server.http_client is None:  # one connection pool for every agent on this loop
-            server.http_client = openai.DefaultAsyncHttpxClient()
+            server.http_client = _shared_pool()
         self.session = server.open()
         client = openai.AsyncOpenAI(base_url=server.base_url(self.session.id), api_key=server.secret,
                                     max_retries=0, timeout=None, http_client=server.http_client)
@@ -298,6 +298,18 @@ class AgentEnv(TokenEnv):
     def _tokens(self, turn: Turn) -> list[tuple[str, float]]:
         tokenizer = self.template.tokenizer
         return [(tokenizer.decode([t]), lp) for t, lp in zip(turn.token_ids, turn.logprobs)]
+
+
+def _shared_pool() -> Any:
+    """The agents' connection pool; an agent that closes its client (`async with client:`)
+    leaves it open for the others."""
+    import openai
+
+    class SharedPool(openai.DefaultAsyncHttpxClient):
+        async def aclose(self) -> None:
+            pass
+
+    return SharedPool()
 
 
 # ----------------------------------------------------------------------------- request bodies
