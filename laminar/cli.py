@@ -1,4 +1,4 @@
-"""`laminar train | resume | sft | bench | report | simulate` — the command line.
+"""`laminar train | resume | sft | bench | report | cluster | simulate` — the command line.
 
 Heavy imports (torch, transformers, ray) are deferred into the subcommands so that `--help`
 answers at once. User mistakes (`ConfigError`) print one clear message and exit 2, no traceback.
@@ -18,6 +18,7 @@ BENCHMARKS = {
     "relay": "laminar.bench.relay",
     "modes": "laminar.bench.modes",
     "faults": "laminar.bench.faults",
+    "multinode": "laminar.bench.multinode",
     "index": "laminar.bench.results",  # not a benchmark: the table of docs/results/*.json
 }
 
@@ -76,6 +77,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the HTML here (default: RUN_DIR/report.html; several runs: "
                         "report.html in the first one's parent directory)")
 
+    p = sub.add_parser("cluster", help="a multi-node Ray cluster on this machine (namespaces), "
+                       "and the status of any cluster's nodes and relays")
+    csub = p.add_subparsers(dest="action", required=True)
+    c = csub.add_parser("up", help="start a head and N-1 worker raylets, each worker in its own "
+                        "network and mount namespace (root); prints the address for cluster.address")
+    c.add_argument("--nodes", type=int, default=3, help="nodes including the head (default 3)")
+    c.add_argument("--bandwidth-mbit", type=float, default=None,
+                   help="cap every worker's link both ways (tc tbf); default: uncapped")
+    c.add_argument("--latency-ms", type=float, default=None, help="add this delay to every link (netem)")
+    c.add_argument("--cpus-per-node", type=int, default=1, help="Ray CPUs each node offers")
+    c.add_argument("--name", default="default", help="several clusters side by side need names")
+    c = csub.add_parser("down", help="stop a cluster made by `up` and remove its namespaces")
+    c.add_argument("--name", default="default")
+    c = csub.add_parser("status", help="nodes, and every running job's relay chain: addresses, "
+                        "versions held, measured link speeds")
+    c.add_argument("--address", default=None, help="HEAD_IP:PORT (default: the cluster `up` made)")
+    c.add_argument("--name", default="default")
+
     p = sub.add_parser("simulate", help="cluster-scale simulator of the five schedules",
                        add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -92,6 +111,36 @@ def resume_config(run_dir: str, overrides: list[str]) -> Any:
                           "directory, e.g. runs/reverse?); or use `laminar train CONFIG --resume "
                           f"{run_dir}`")
     return load_config(saved, [*overrides, f"run_dir={run_dir}", "resume=true"])
+
+
+def cluster_command(args: argparse.Namespace) -> int:
+    from laminar.runtime.nscluster import ClusterError, NamespacedCluster
+
+    try:
+        if args.action == "status":
+            from laminar.runtime.status import main as status_main
+
+            return status_main(args.address, args.name)
+        cluster = NamespacedCluster(getattr(args, "nodes", 1), getattr(args, "bandwidth_mbit", None),
+                                    getattr(args, "latency_ms", None), name=args.name,
+                                    cpus_per_node=getattr(args, "cpus_per_node", 1))
+        if args.action == "down":
+            if not (cluster.dir / "state.json").exists():
+                raise ConfigError(f"no cluster named '{args.name}' is up on this machine")
+            cluster.down()
+            print(f"cluster '{args.name}' is down: its processes, namespaces and links are gone")
+            return 0
+        state = cluster.up()
+        link = (f"{state.bandwidth_mbit:g} Mbit/s" if state.bandwidth_mbit else "uncapped") + (
+            f", +{state.latency_ms:g} ms" if state.latency_ms else "")
+        print(f"cluster '{args.name}' is up: head {state.head_ip}, workers "
+              f"{', '.join(state.node_ips[1:]) or 'none'} (links {link})\n"
+              f"  train on it:  laminar train CONFIG cluster.address={state.address}\n"
+              f"  look at it:   laminar cluster status{'' if args.name == 'default' else ' --name ' + args.name}\n"
+              f"  remove it:    laminar cluster down{'' if args.name == 'default' else ' --name ' + args.name}")
+        return 0
+    except ClusterError as e:
+        raise ConfigError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             from laminar.sim.cli import main as simulate_main
 
             return simulate_main(args.args)
+        elif args.command == "cluster":
+            return cluster_command(args)
     except ConfigError as e:
         print(f"laminar: {e}", file=sys.stderr)
         return 2

@@ -140,6 +140,7 @@ class RolloutManager:
         """Counters and state, JSON-safe. Not under the lock (a retirement holds it for long);
         each copy is one step the health loop cannot interleave with."""
         return {**self.counters, "dead": list(self.dead), "workers": sorted(self.rollout_relay),
+                "worker_relay": dict(self.rollout_relay),
                 "recreated": [list(p) for p in self.recreated], "spawning": sorted(self.spawning),
                 "faults": [dict(f) for f in self.faults],
                 "chain": list(self.relays.order) if self.relays is not None else [],

@@ -89,6 +89,7 @@ class Relay:
         self.failures: list[dict[str, Any]] = []  # successors this relay found dead
         self.completed_at: dict[int, float] = {}  # version -> when it was complete here
         self.forwarded_at: dict[int, float] = {}  # version -> when the successor confirmed it
+        self.arrivals: dict[int, dict[str, float]] = {}  # version -> bytes, seconds to arrive
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._accept_loop, daemon=True, name="relay-accept"),
                          threading.Thread(target=self._downstream_loop, daemon=True, name="relay-down")]
@@ -162,7 +163,9 @@ class Relay:
                 "latest": latest.version if latest else None, "progress": progress,
                 "completed_at": {str(v): t for v, t in self.completed_at.items()},
                 "forwarded_at": {str(v): t for v, t in self.forwarded_at.items()},
-                "failures": list(self.failures), "held": self.store.held_versions()}
+                "failures": list(self.failures), "held": self.store.held_versions(),
+                "versions": self.store.versions(),
+                "arrivals": {str(v): a for v, a in self.arrivals.items()}}
 
     def stop(self) -> None:
         if self._stop.is_set():
@@ -205,7 +208,13 @@ class Relay:
         return getattr(self, op)(**args)
 
     def _on_complete(self, version: int) -> None:
-        _record(self.completed_at, version, time.time())
+        now = time.time()
+        _record(self.completed_at, version, now)
+        buf = self.store.get(version)
+        if buf is not None:  # how long the version took to arrive: the link's measured speed
+            self.arrivals[version] = {"bytes": buf.header.nbytes, "seconds": now - buf.created_at}
+            for old in sorted(self.arrivals)[:-HISTORY]:
+                del self.arrivals[old]
 
     def _downstream_loop(self) -> None:
         while not self._stop.is_set():

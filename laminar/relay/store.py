@@ -86,6 +86,7 @@ class VersionBuffer:
 
     def __init__(self, slot: _Slot, header: VersionHeader, cond: threading.Condition) -> None:
         self.slot, self.header, self._cond = slot, header, cond
+        self.created_at = time.time()  # when its offer (or a local writer's reservation) came
         self.data = memoryview(slot.mm)[header.data_offset:header.file_size]
         self.state = bytearray(header.num_chunks)
         self.num_verified = 0

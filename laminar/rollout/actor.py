@@ -126,6 +126,10 @@ class RolloutActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_ip(self) -> str:
+        """This rollout's node address on the Ray cluster."""
+        return ray.util.get_node_ip_address()
+
     def start(self) -> None:
         if self.thread is None:
             self.stop_event.clear()

@@ -158,6 +158,9 @@ class ClusterRuntime:
     def _wait_started(self) -> None:
         """Every rollout, the trainer and the manager answer once; one that failed to start is
         an error naming it and its node (e.g. a reward module that node cannot import)."""
+        from laminar.config import ConfigError
+        from laminar.runtime.relays import start_failure
+
         refs = ({f"rollout worker {w}": h.snapshot.remote() for w, h in self.workers.items()}
                 | {"trainer": self.trainer.metrics_since.remote(0),
                    "rollout manager": self.manager.stats.remote()})
@@ -171,10 +174,11 @@ class ClusterRuntime:
                     wid = name.removeprefix("rollout worker ")
                     relay = self.placement.worker_relay.get(wid)
                     node = self.node_ips.get(self.placement.relay_node.get(relay) or "", "")
-                    cause = getattr(e, "cause", None) or e
-                    last = str(cause).strip().splitlines()[-1] if str(cause).strip() else repr(cause)
-                    raise RuntimeError(f"{name}{f' on node {node}' if node else ''} failed to "
-                                       f"start: {last}") from None
+                    kind, message = start_failure(e)
+                    # the user's setup (a module a node cannot import): one line; else a bug
+                    error = ConfigError if kind == "ConfigError" else RuntimeError
+                    raise error(f"{name}{f' on node {node}' if node else ''} failed to "
+                                f"start: {message}") from None
                 except Exception:
                     continue
             raise
@@ -237,7 +241,8 @@ class ClusterRuntime:
             from laminar.runtime.shipping import user_runtime_env
 
             self.staging = tempfile.mkdtemp(prefix="laminar-ship-")
-            runtime_env, notes = user_runtime_env(self.cfg.task, Path(self.staging))
+            runtime_env, notes = user_runtime_env(self.cfg.task, Path(self.staging),
+                                                  [Path(self.cfg.resolved_run_dir)])
             for note in notes:
                 print(f"shipping {note}", flush=True)
             ray.init(address=address, include_dashboard=False, runtime_env=runtime_env or None,
@@ -361,9 +366,14 @@ class ClusterRuntime:
             trainer = None  # restarting
         live = {w: h for w, h in self._live().items() if w in manager["workers"]}
         pids = self._answers({w: h.pid.remote() for w, h in live.items()})
+        ips = self._answers({w: h.node_ip.remote() for w, h in live.items()})
         return {"job": self.job, "driver": os.getpid(), "trainer": trainer, "rollouts": pids,
                 "relays": {r: self.relays.pids.get(r) for r in manager["chain"]},
-                "chain": list(manager["chain"]), "updated_at": time.time()}
+                "chain": list(manager["chain"]), "updated_at": time.time(),
+                # where everything runs: node addresses (one machine: all the same)
+                "rollout_nodes": ips, "rollout_relay": dict(manager.get("worker_relay", {})),
+                "relay_addresses": {r: "%s:%d" % self.relays.infos[r].address for r in manager["chain"]},
+                "trainer_node": self.node_ips.get(self.head or "", "")}
 
     def snapshots(self) -> dict[str, RolloutSnapshot]:
         """Rollouts that answer within 10 s (a dead one is the manager's to report)."""

@@ -104,10 +104,14 @@ class Netns:
             burst = f"{max(256 << 10, int(self.rate_mbit * 1e6 / 8 / 500))}b"
             _run(*tc, "root", "handle", "1:", "tbf", "rate", f"{self.rate_mbit}mbit", "burst", burst,
                  "latency", f"{self.queue_ms}ms")
-            if self.latency_ms:
+        try:
+            if self.latency_ms and self.rate_mbit is not None:
                 _run(*tc, "parent", "1:1", "handle", "10:", "netem", "delay", f"{self.latency_ms}ms")
-        else:
-            _run(*tc, "root", "netem", "delay", f"{self.latency_ms}ms")
+            elif self.latency_ms:
+                _run(*tc, "root", "netem", "delay", f"{self.latency_ms}ms")
+        except subprocess.CalledProcessError as e:
+            raise RuntimeError(f"cannot add a {self.latency_ms} ms delay to the links: this kernel "
+                               f"has no netem qdisc ({e.stderr.strip()}); leave the latency out") from None
 
     def close(self) -> None:
         for kind, name in reversed(self._made):

@@ -144,7 +144,10 @@ class NamespacedCluster:
                                f"`laminar cluster down --name {self.name}` first, or pick another --name")
         self.dir.mkdir(parents=True, exist_ok=True)
         try:
-            self.net.__enter__()
+            try:
+                self.net.__enter__()
+            except RuntimeError as e:  # e.g. no netem for --latency-ms
+                raise ClusterError(str(e)) from None
             head_ip = self.net.host_address
             self.state = ClusterState(
                 self.name, self.net.tag, self.net.subnet, self.net.bridge, list(self.net.names),

@@ -21,12 +21,30 @@ from typing import Any
 
 import ray
 
-from laminar.config import RelayConfig
+from laminar.config import ConfigError, RelayConfig
 from laminar.relay.plan import ChainPlan, RelayInfo, repair
 from laminar.relay.relay import Relay, segment_prefix
 from laminar.relay.store import cleanup
 
 log = logging.getLogger("laminar.relay")
+
+
+def start_failure(e: BaseException) -> tuple[str, str]:
+    """(exception class name, its message) of what made an actor's constructor fail, out of
+    Ray's wrapping (ActorDiedError / RayTaskError text around the original exception)."""
+    import re
+
+    head = re.compile(r"^\s*(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception)): ?(.*)$")
+    text = str(getattr(e, "cause", None) or e)
+    kind, message = type(e).__name__, next(
+        (ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), repr(e))
+    for line in reversed(text.splitlines()):
+        if head.match(line):
+            kind, message = head.match(line).groups()
+            while (m := head.match(message)) and kind in ("ActorDiedError", "RayActorError", "RayTaskError"):
+                kind, message = m.groups()  # unwrap Ray's own layers
+            break
+    return kind, f"{kind}: {message.strip()}"
 
 
 def relay_actor_name(job: str, relay_id: str) -> str:
@@ -50,6 +68,7 @@ class RelayGroup:
                  node_ips: Mapping[str, str | None] | None = None, timeout_s: float = 60.0) -> None:
         self.job, self.cfg = job, cfg or RelayConfig()
         self.node_ips = dict(node_ips or {})
+        self.misses: dict[str, int] = {}  # heartbeats in a row a relay did not answer in time
         self.actors = {i: start_relay_actor(i, job, secret, self.cfg, self.node_ips.get(i),
                                             **dict((options or {}).get(i, {})))
                        for i in ids}
@@ -78,9 +97,9 @@ class RelayGroup:
             try:
                 out.append(ray.get(ref))
             except ray.exceptions.RayActorError as e:
-                cause = getattr(e, "cause", None) or e
-                raise RuntimeError(f"{self._where(i)} failed to start: "
-                                   f"{str(cause).strip().splitlines()[-1]}") from None
+                kind, message = start_failure(e)
+                error = ConfigError if kind == "AddressError" else RuntimeError  # user setup: one line
+                raise error(f"{self._where(i)} failed to start: {message}") from None
         return out
 
     def _check_links(self) -> None:
@@ -92,7 +111,7 @@ class RelayGroup:
         for (a, b), err in zip(links, ray.get(refs, timeout=3 * self.cfg.timeout_s + 30)):
             if err is not None:
                 host, port = self.infos[b].address
-                raise RuntimeError(
+                raise ConfigError(
                     f"{self._where(a)} cannot reach {self._where(b)} at {host}:{port}: {err}. The "
                     "relays' TCP ports must be open between nodes on the weight network (pin them "
                     "with relay.port_range and open that range), and relay.host must name that "
@@ -110,18 +129,24 @@ class RelayGroup:
         return dead
 
     def find_dead(self) -> list[str]:
-        """Heartbeat every relay in the plan: those whose process is gone or that did not
-        answer within relay.timeout_s."""
+        """Heartbeat every relay in the plan: those whose process is gone, or that did not
+        answer within relay.timeout_s twice in a row (one late answer on a loaded machine, or
+        while Ray notices a lost node, is not a death: cutting a live master out would cost
+        the trainer its push target)."""
         ids = list(self.plan.order)
         refs = [self.actors[i].heartbeat.remote() for i in ids]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.timeout_s)
         dead = []
         for i, ref in zip(ids, refs):
+            if ref not in ready:
+                self.misses[i] = self.misses.get(i, 0) + 1
+                if self.misses[i] >= 2:
+                    dead.append(i)
+                continue
             try:
-                if ref not in ready:
-                    raise TimeoutError(f"no heartbeat within {self.cfg.timeout_s}s")
                 self.latest[i] = ray.get(ref)["latest"]
-            except Exception:  # actor died or hangs: both mean cut it out
+                self.misses[i] = 0
+            except Exception:  # the actor (its process or its node) is gone
                 dead.append(i)
         return dead
 

@@ -6,8 +6,8 @@ not the driver's folders, so the runtime ships what the config names:
 
 - **files** named as `task.reward: my_reward.py:fn` / `task.env: my_envs.py:Env` (and any other
   `*.py:name` target of the task): the folder holding each is copied into a package
-  `laminar_user_<hash>` (its `.py` files and small data files, not hidden folders or large
-  files) and handed to Ray as `runtime_env.py_modules`; `LAMINAR_SHIPPED` (an environment
+  `laminar_user_<hash>` (its `.py` files and data files of at most 1 MiB: json, yaml, txt,
+  csv...; not hidden folders, caches or the job's run directory) and handed to Ray as `runtime_env.py_modules`; `LAMINAR_SHIPPED` (an environment
   variable of every worker) maps the driver's folder to that package, and
   `laminar.tasks.rewards.import_target` loads the file from the package's copy on a node where
   the driver's path does not exist.
@@ -63,14 +63,19 @@ def _package_name(folder: Path) -> str:
     return "laminar_user_" + hashlib.sha1(str(folder).encode()).hexdigest()[:10]
 
 
-def _stage(folder: Path, into: Path) -> tuple[Path, list[str]]:
-    """Copy `folder`'s code and small files into `into/<package>`; returns it and what was
-    left behind."""
+DATA = {".json", ".jsonl", ".yaml", ".yml", ".txt", ".csv", ".tsv", ".toml"}
+
+
+def _stage(folder: Path, into: Path, exclude: list[Path]) -> tuple[Path, list[str]]:
+    """Copy `folder`'s code (.py) and small data files into `into/<package>`; returns it and
+    what was left behind for size. Hidden folders, caches and `exclude` (the job's run
+    directory, when it lies inside) stay behind."""
     dest = into / _package_name(folder)
     skipped, total = [], 0
     for src in sorted(folder.rglob("*")):
         rel = src.relative_to(folder)
-        if any(p.startswith(".") or p == "__pycache__" for p in rel.parts) or not src.is_file():
+        if (any(p.startswith(".") or p == "__pycache__" for p in rel.parts) or not src.is_file()
+                or src.suffix not in DATA | {".py"} or any(src.is_relative_to(x) for x in exclude)):
             continue
         size = src.stat().st_size
         if (src.suffix != ".py" and size > MAX_FILE) or total + size > MAX_TOTAL:
@@ -88,7 +93,8 @@ def _outside_site_packages(origin: str) -> bool:
     return not any(origin.startswith(r) for r in roots) and "site-packages" not in origin
 
 
-def user_runtime_env(task: Any, staging: Path) -> tuple[dict[str, Any], list[str]]:
+def user_runtime_env(task: Any, staging: Path, exclude: list[Path] | None = None
+                     ) -> tuple[dict[str, Any], list[str]]:
     """Ray `runtime_env` that ships the task's user code, and notes of what was shipped."""
     modules: list[str] = []
     shipped: dict[str, str] = {}
@@ -97,7 +103,7 @@ def user_runtime_env(task: Any, staging: Path) -> tuple[dict[str, Any], list[str
         folder = Path(target.rpartition(":")[0]).resolve().parent
         if str(folder) in shipped:
             continue
-        dest, skipped = _stage(folder, staging)
+        dest, skipped = _stage(folder, staging, [p.resolve() for p in exclude or []])
         modules.append(str(dest))
         shipped[str(folder)] = dest.name
         notes.append(f"{key}: {folder} -> every node as {dest.name}"
