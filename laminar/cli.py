@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--latency-ms", type=float, default=None, help="add this delay to every link (netem)")
     c.add_argument("--cpus-per-node", type=int, default=1, help="Ray CPUs each node offers")
     c.add_argument("--name", default="default", help="several clusters side by side need names")
+    c = csub.add_parser("add", help="one more worker node joins a cluster made by `up` (a running "
+                        "job gives it a relay and rollouts: cluster.rollouts_per_new_node)")
+    c.add_argument("--name", default="default")
     c = csub.add_parser("down", help="stop a cluster made by `up` and remove its namespaces")
     c.add_argument("--name", default="default")
     c = csub.add_parser("status", help="nodes, and every running job's relay chain: addresses, "
@@ -124,6 +127,10 @@ def cluster_command(args: argparse.Namespace) -> int:
         cluster = NamespacedCluster(getattr(args, "nodes", 1), getattr(args, "bandwidth_mbit", None),
                                     getattr(args, "latency_ms", None), name=args.name,
                                     cpus_per_node=getattr(args, "cpus_per_node", 1))
+        if args.action == "add":
+            ip = NamespacedCluster.attach(args.name).add_node()
+            print(f"node {ip} joined cluster '{args.name}'")
+            return 0
         if args.action == "down":
             if not (cluster.dir / "state.json").exists():
                 raise ConfigError(f"no cluster named '{args.name}' is up on this machine")

@@ -288,6 +288,10 @@ class ClusterConfig(Section):
         False, description="On a multi-node cluster: also place rollouts on the driver's node (the "
         "head, which runs the trainer, the pools and the master relay). Default: rollouts go to the "
         "other nodes, and to the head only when it is the only node.")
+    rollouts_per_new_node: int = Field(
+        1, ge=0, description="On a multi-node cluster: a node that joins while the job runs gets a "
+        "relay (it joins the chain and catches up to the newest version) and this many rollouts; "
+        "0 = leave new nodes alone.")
     trainer_resources: dict[str, float] = Field(
         default_factory=dict, description="On a cluster: Ray resources the trainer actor asks for "
         "(e.g. {GPU: 1} or a custom resource of the node it should run on); empty = the driver's "

@@ -156,6 +156,49 @@ def test_worker_node_that_cannot_import_the_reward_is_named(cluster, tmp_path):
     assert any(f"on node {ip}" in err for ip in cluster.node_ips[1:]), err
 
 
+def _start(cluster: NamespacedCluster, run: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "laminar.cli", "train", "examples/reverse.yaml",
+         f"cluster.address={cluster.address}", f"run_dir={run}", *TINY, *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parent.parent)
+
+
+def _wait_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 200) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and proc.poll() is None:
+        if (run / "metrics.jsonl").exists():
+            rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+            if sum(r.get("kind") == "step" for r in rows) >= n:
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"the job did not reach step {n} (exit {proc.poll()})")
+
+
+def test_a_node_that_joins_gets_a_relay_and_rollouts(cluster, tmp_path):
+    run = tmp_path / "run"
+    proc = _start(cluster, run, "mode=laminar", "trainer.total_steps=40")
+    try:
+        _wait_steps(run, 3, proc)
+        ip = cluster.add_node()  # a machine joins the running cluster
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert "exactly-once check: passed" in out, out[-3000:]
+    procs = json.loads((run / "processes.json").read_text())
+    [joined] = procs["nodes_joined"]
+    assert joined["node"] == ip and procs["chain"][-1] == joined["relay"]  # at the tail
+    assert procs["relay_addresses"][joined["relay"]].startswith(ip + ":")
+    [new] = joined["rollouts"]
+    assert procs["rollout_nodes"][new] == ip and procs["rollout_relay"][new] == joined["relay"]
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    assert any(e.get("kind") == "event" and e.get("what") == "node" for e in events)
+    # the new rollout generated (and the exactly-once check says all generated work was trained)
+    assert any((e.get("gen_tokens_per_s_by_rollout") or {}).get(new, 0) > 0 for e in events
+               if e.get("kind") == "step"), "the new rollout never generated"
+
+
 @pytest.mark.slow
 def test_job_goes_on_when_a_worker_node_dies(cluster, tmp_path):
     run = tmp_path / "run"

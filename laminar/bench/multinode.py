@@ -11,7 +11,9 @@ A head raylet and 4 worker raylets, each worker in its own network and mount nam
    tiny model's weights and a ~100 MB state dict, and k = 2, 3, 4 worker nodes: the *chain*
    (the driver pushes to the master on its node; relays forward chunk by chunk down the chain)
    against the *star* (the master sends the whole version to each worker's relay in turn).
-   Time = from the push until the last relay holds the version complete (one host clock).
+   Time = from the moment the master holds the version until the last relay holds it complete
+   (one host clock), for both; the trainer-side push into the master is reported apart
+   (`push_s_by_nodes`).
    `chain_over_bandwidth_bound` = chain time at 4 nodes / (bytes / link rate).
 2. **Training across nodes.** `laminar train` with `cluster.address` on the same cluster, four
    rollouts (one per worker node), laminar mode against sync, on the `bench modes` workload
@@ -195,6 +197,7 @@ def _broadcast(spec: dict[str, Any]) -> dict[str, Any]:
     version = 0
     chain_s: dict[str, dict[str, float]] = {}
     star_s: dict[str, dict[str, float]] = {}
+    push_s: dict[str, dict[str, float]] = {}  # the driver's push into the master (before either)
     sizes_mb: dict[str, float] = {}
 
     def set_plan(order: list[str], epoch: int) -> None:
@@ -216,17 +219,19 @@ def _broadcast(spec: dict[str, Any]) -> dict[str, Any]:
     for name, state in sizes.items():
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         sizes_mb[name] = nbytes / MB
-        chain_s[name], star_s[name] = {}, {}
+        chain_s[name], star_s[name], push_s[name] = {}, {}, {}
         for k in (2, 3, 4):
-            chain_t, star_t = [], []
+            chain_t, star_t, push_t = [], [], []
             for _ in range(spec["reps"]):
                 version += 1
                 epoch += 1
                 set_plan(ids[:k + 1], epoch)  # master + k workers, in order
                 t0 = time.time()
                 pusher.push(state, version)
-                done = wait_complete(ids[1:k + 1], version)
-                chain_t.append(max(done.values()) - t0)
+                done = wait_complete(ids[:k + 1], version)
+                # from the moment the master holds it, as the star's time is measured
+                chain_t.append(max(done.values()) - done[ids[0]])
+                push_t.append(done[ids[0]] - t0)
                 version += 1
                 epoch += 1
                 set_plan(ids[:1], epoch)  # the master alone: nothing forwards this version
@@ -235,6 +240,7 @@ def _broadcast(spec: dict[str, Any]) -> dict[str, Any]:
                 star_t.append(ray.get(relays[0].send_to.remote(targets, version))[-1])
                 time.sleep(0.5)
             chain_s[name][str(k)] = statistics.median(chain_t)
+            push_s[name][str(k)] = statistics.median(push_t)
             star_s[name][str(k)] = statistics.median(star_t)
             print(f"  {name} ({sizes_mb[name]:.1f} MB) k={k}: chain {chain_s[name][str(k)]:.3f}s "
                   f"star {star_s[name][str(k)]:.3f}s  (chain samples "
@@ -242,6 +248,7 @@ def _broadcast(spec: dict[str, Any]) -> dict[str, Any]:
     pusher.close()
     ray.get([r.stop.remote() for r in relays])
     return {"sizes_mb": sizes_mb, "chain_s_by_nodes": chain_s, "star_s_by_nodes": star_s,
+            "push_s_by_nodes": push_s,
             "relay_hosts": [i.host for i in infos], "reps": spec["reps"]}
 
 

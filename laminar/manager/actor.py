@@ -166,6 +166,9 @@ class RayRelays:
         """The relays get the new plan, then the trainer (whose pushes go to its master). A
         trainer that is restarting misses it: its pusher skips a dead master on its own."""
         self.group.cut(dead)
+        self.tell_trainer()
+
+    def tell_trainer(self) -> None:
         try:
             trainer = ray.get_actor(self.trainer_name)
             ray.get(trainer.set_plan.remote(self.group.plan.to_dict()), timeout=self.group.cfg.timeout_s)
@@ -181,6 +184,10 @@ class RayRelays:
     def latest(self) -> dict[str, int | None]:
         return {r: self.group.latest.get(r) for r in self.group.plan.order}
 
+    @property
+    def addresses(self) -> dict[str, str]:
+        return {r: "%s:%d" % self.group.infos[r].address for r in self.group.plan.order}
+
 
 class ManagerActor(RolloutManager):
     def __init__(self, cfg: Config, rollouts: dict[str, Any], rollout_relay: dict[str, str],
@@ -190,10 +197,51 @@ class ManagerActor(RolloutManager):
         super().__init__(cfg, RayFleet(rollouts, spec, timeout), RayManagerPools(pools, timeout),
                          RayRelays(relays, trainer_name), rollout_relay, repack, mixes_versions)
         self.stop_event = threading.Event()
+        self.known_nodes: set[str] | None = None  # Ray nodes seen so far (check_nodes)
 
     def run_loop(self) -> dict[str, Any]:
         self.stop_event.clear()
         return self.run(self.stop_event)
+
+    def check_nodes(self) -> None:
+        """A machine that joined the Ray cluster gets a relay (at the chain's tail; it catches
+        up from the old tail) and cluster.rollouts_per_new_node rollouts beside it. A machine
+        that left needs nothing here: its relay and rollouts fail the heartbeats above."""
+        if not self.cfg.cluster.address or not self.cfg.cluster.rollouts_per_new_node:
+            return
+        alive = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        if self.known_nodes is None:
+            self.known_nodes = set(alive)
+            return
+        for node in sorted(set(alive) - self.known_nodes):
+            self.known_nodes.add(node)
+            self._join_node(node, alive[node])
+
+    def _join_node(self, node: str, ip: str) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        group, spec = self.relays.group, self.fleet.spec
+        relay_id = f"node{max(int(r.removeprefix('node')) for r in group.actors) + 1}"
+        pin = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+        try:
+            info = group.add(relay_id, ip, pin)
+        except Exception as e:  # the job goes on without the node
+            log.warning("node %s joined but its relay did not start: %s", ip, e)
+            return
+        spec.relays[relay_id] = info.to_dict()
+        spec.options[relay_id] = {**next(iter(spec.options.values()), {}), **pin}
+        self.relays.tell_trainer()  # the new plan (the relays have it already)
+        taken = {int(r.removeprefix("rollout").split(".")[0]) for r in
+                 [*self.rollout_relay, *self.spawning, *self.dead]}
+        new = []
+        for _ in range(self.cfg.cluster.rollouts_per_new_node):
+            rid = f"rollout{max(taken, default=-1) + 1}"
+            taken.add(int(rid.removeprefix("rollout")))
+            with self.lock:
+                self.spawn_joining(rid, relay_id)
+            new.append(rid)
+        self.nodes_joined.append({"node": ip, "relay": relay_id, "rollouts": new, "at": time.time()})
+        log.warning("node %s joined: relay %s at the chain's tail, rollouts %s starting", ip, relay_id, new)
 
     def stop(self) -> None:
         self.stop_event.set()

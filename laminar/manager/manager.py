@@ -115,7 +115,9 @@ class RolloutManager:
         self.dead: list[str] = []
         self.slot = {r: r for r in rollout_relay}  # live rollout -> its slot (first incarnation's id)
         self.recreates: dict[str, int] = {}  # slot -> re-creations started so far
-        self.spawning: dict[str, tuple[str, str, str, dict[str, Any]]] = {}  # new id -> (slot, dead id, relay, fault)
+        # new id -> (slot, dead id, relay, fault); dead id and fault None: a rollout joining
+        self.spawning: dict[str, tuple[str, str | None, str, dict[str, Any] | None]] = {}
+        self.nodes_joined: list[dict[str, Any]] = []  # {node, relay, rollouts, at}
         self.recreated: list[list[str]] = []  # [dead id, the id of the rollout that replaced it]
         self.orphaned: set[str] = set()  # dead rollouts with work that found no live rollout yet
         self.faults: list[dict[str, Any]] = []  # {kind, who, detected_at, repaired_at, ...}, Unix time
@@ -130,6 +132,7 @@ class RolloutManager:
                 if self.relays is not None and time.monotonic() >= next_relays:
                     next_relays = time.monotonic() + self.cfg.relay.heartbeat_s
                     self.check_relays()
+                    self.check_nodes()
             except Exception:  # a pool call that timed out, a rollout that vanished mid-call:
                 # the health loop must outlive it (it is the job's only failure detector)
                 self.counters["check_errors"] += 1
@@ -143,6 +146,8 @@ class RolloutManager:
                 "worker_relay": dict(self.rollout_relay),
                 "recreated": [list(p) for p in self.recreated], "spawning": sorted(self.spawning),
                 "faults": [dict(f) for f in self.faults],
+                "nodes_joined": [dict(n) for n in self.nodes_joined],
+                "relay_addresses": dict(getattr(self.relays, "addresses", {}) or {}),
                 "chain": list(self.relays.order) if self.relays is not None else [],
                 "relay_versions": dict(self.relays.latest) if self.relays is not None else {}}
 
@@ -192,6 +197,9 @@ class RolloutManager:
             log.warning("relays %s died; the chain is now %s (re-planned in %.3fs)", dead, chain,
                         repaired - detected)
             return dead
+
+    def check_nodes(self) -> None:
+        """Machines that joined the cluster (the Ray actor watches them; nothing here)."""
 
     def _failover(self, dead: str, live: dict[str, RolloutSnapshot]) -> None:
         log.warning("rollout %s is dead; failing over", dead)
@@ -266,12 +274,18 @@ class RolloutManager:
         for new in started:
             slot, dead, relay, fault = self.spawning.pop(new)
             self.rollout_relay[new], self.slot[new], self.last_seen[new] = relay, slot, time.monotonic()
+            if dead is None:  # a new rollout on a node that joined, not a replacement
+                log.warning("rollout %s joined (pulling from relay %s)", new, relay)
+                continue
             fault["replacement"], fault["recreated_at"] = new, time.time()
             self.recreated.append([dead, new])
             self.counters["recreated_workers"] += 1
             log.warning("rollout %s replaces %s", new, dead)
         for new, why in failed.items():
             slot, dead, relay, fault = self.spawning.pop(new)
+            if dead is None:
+                log.warning("rollout %s (joining beside relay %s) did not start: %s", new, relay, why)
+                continue
             self.counters["recreate_failures"] += 1
             log.warning("rollout %s (in place of %s) did not start: %s", new, dead, why)
             self._recreate(slot, dead, relay, fault, frozenset({relay}))
@@ -301,6 +315,12 @@ class RolloutManager:
             self.counters["repack_s"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------- elasticity
+
+    def spawn_joining(self, rollout_id: str, relay_id: str) -> None:
+        """Start a new rollout beside `relay_id` in the background; it joins the job once it
+        answers (`_collect_spawned`), after pulling the newest version from that relay."""
+        self.spawning[rollout_id] = (rollout_id, None, relay_id, None)
+        self.fleet.spawn(rollout_id, relay_id)
 
     def add(self, rollout_id: str, relay_id: str) -> None:
         """A rollout joins the running job."""

@@ -206,6 +206,9 @@ class Follower:
             before, now = set(last["workers"]), set(manager["workers"])
             for wid in sorted(now - before - {new for _, new in recreated}):
                 self.log_event("join", f"rollout {wid} joined the job")
+            for j in manager.get("nodes_joined", [])[len(last.get("nodes_joined", [])):]:
+                self.log_event("node", f"node {j['node']} joined the cluster: relay {j['relay']} "
+                               f"at the chain's tail, rollouts {', '.join(j['rollouts'])}")
             for wid in sorted(before - now - set(manager["dead"])):
                 self.log_event("leave", f"rollout {wid} left the job (its work moved to peers)")
         if manager["chain"] != self.chain:

@@ -372,7 +372,9 @@ class ClusterRuntime:
                 "chain": list(manager["chain"]), "updated_at": time.time(),
                 # where everything runs: node addresses (one machine: all the same)
                 "rollout_nodes": ips, "rollout_relay": dict(manager.get("worker_relay", {})),
-                "relay_addresses": {r: "%s:%d" % self.relays.infos[r].address for r in manager["chain"]},
+                "relay_addresses": manager.get("relay_addresses") or {
+                    r: "%s:%d" % self.relays.infos[r].address for r in manager["chain"]},
+                "nodes_joined": manager.get("nodes_joined", []),
                 "trainer_node": self.node_ips.get(self.head or "", "")}
 
     def snapshots(self) -> dict[str, RolloutSnapshot]:

@@ -78,20 +78,33 @@ class Netns:
         _run("ip", "addr", "add", f"{self.host_address}/24", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
         for i, ns in enumerate(self.names):
-            host_end, node_end = f"lv{self.tag}{i}", f"lp{self.tag}{i}"
-            _run("ip", "netns", "add", ns)
-            self._made.append(("netns", ns))
-            _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
-            self._made.append(("link", host_end))
-            _run("ip", "link", "set", node_end, "netns", ns)
-            _run("ip", "link", "set", host_end, "master", self.bridge)
-            _run("ip", "link", "set", host_end, "up")
-            _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.address(i)}/24", "dev", node_end)
-            _run("ip", "netns", "exec", ns, "ip", "link", "set", node_end, "up")
-            _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-            # uplink (node -> bridge) and downlink (bridge -> node), like a full-duplex NIC
-            for dev, where in ((node_end, ["ip", "netns", "exec", ns]), (host_end, [])):
-                self._shape(where, dev)
+            self._add(i, ns)
+
+    def add(self) -> int:
+        """One more node on the running bridge (a machine joining the cluster); its index."""
+        i = len(self.names)
+        if i >= 250:
+            raise RuntimeError("a namespaced network holds at most 250 nodes")
+        self.names.append(f"lam{self.tag}n{i}")
+        self.n += 1
+        self._add(i, self.names[i])
+        return i
+
+    def _add(self, i: int, ns: str) -> None:
+        host_end, node_end = f"lv{self.tag}{i}", f"lp{self.tag}{i}"
+        _run("ip", "netns", "add", ns)
+        self._made.append(("netns", ns))
+        _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
+        self._made.append(("link", host_end))
+        _run("ip", "link", "set", node_end, "netns", ns)
+        _run("ip", "link", "set", host_end, "master", self.bridge)
+        _run("ip", "link", "set", host_end, "up")
+        _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.address(i)}/24", "dev", node_end)
+        _run("ip", "netns", "exec", ns, "ip", "link", "set", node_end, "up")
+        _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        # uplink (node -> bridge) and downlink (bridge -> node), like a full-duplex NIC
+        for dev, where in ((node_end, ["ip", "netns", "exec", ns]), (host_end, [])):
+            self._shape(where, dev)
 
     def _shape(self, where: list[str], dev: str) -> None:
         """tbf caps the rate; a netem delay, when asked for, sits under it."""

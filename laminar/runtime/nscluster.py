@@ -106,6 +106,18 @@ class NamespacedCluster:
         self.dir = STATE_ROOT / name
         self.state: ClusterState | None = None
 
+    @classmethod
+    def attach(cls, name: str = "default") -> "NamespacedCluster":
+        """The cluster `up` made (in this or another process), to add or kill nodes."""
+        state = find_state(name)
+        if state is None:
+            raise ClusterError(f"no cluster named '{name}' is up on this machine (`laminar cluster up`)")
+        c = cls(len(state.node_ips), state.bandwidth_mbit, state.latency_ms, name=name)
+        c.net.tag, c.net.subnet, c.net.bridge = state.tag, state.subnet, state.bridge
+        c.net.names = list(state.namespaces)
+        c.state = state
+        return c
+
     # -------------------------------------------------------------------------------- set-up
 
     @staticmethod
@@ -216,6 +228,23 @@ class NamespacedCluster:
 
     def node_table(self, expect: list[str] | None = None, timeout_s: float = 0.0) -> list[dict[str, Any]]:
         return node_table(self.state.address, expect, timeout_s)
+
+    def add_node(self, timeout_s: float = 120.0) -> str:
+        """A machine joins the running cluster: one more worker namespace and raylet. Its IP."""
+        s = self.state
+        if s is None:
+            raise ClusterError("the cluster is not up")
+        i = self.net.add() + 1  # node index (the head is 0)
+        s.namespaces.append(self.net.names[i - 1])
+        s.node_ips.append(self.net.address(i - 1))
+        s.save(self.dir / "state.json")
+        self._start_worker(i)
+        alive = [n["ip"] for n in self.node_table([s.node_ips[i]], timeout_s) if n["alive"]]
+        if s.node_ips[i] not in alive:
+            raise ClusterError(f"node {s.node_ips[i]} did not join within {timeout_s:.0f}s; its "
+                               f"log: {self.dir}/node{i}.log")
+        self.nodes += 1
+        return s.node_ips[i]
 
     # -------------------------------------------------------------------------------- faults
 

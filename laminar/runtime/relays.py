@@ -66,7 +66,7 @@ class RelayGroup:
     def __init__(self, ids: list[str], job: str, secret: bytes, cfg: RelayConfig | None = None,
                  options: Mapping[str, Mapping[str, Any]] | None = None,
                  node_ips: Mapping[str, str | None] | None = None, timeout_s: float = 60.0) -> None:
-        self.job, self.cfg = job, cfg or RelayConfig()
+        self.job, self.cfg, self.secret = job, cfg or RelayConfig(), secret
         self.node_ips = dict(node_ips or {})
         self.misses: dict[str, int] = {}  # heartbeats in a row a relay did not answer in time
         self.actors = {i: start_relay_actor(i, job, secret, self.cfg, self.node_ips.get(i),
@@ -79,6 +79,29 @@ class RelayGroup:
         self.plan = ChainPlan(tuple(ids), self.infos, 1)
         self._check_links()
         self._broadcast_plan()
+
+    def add(self, relay_id: str, node_ip: str | None, options: Mapping[str, Any]) -> RelayInfo:
+        """A relay joins the running chain at its tail (a node joined the cluster): started,
+        its link from the old tail tried, then every relay gets the new plan. The old tail
+        forwards it the newest version at once, so it catches up within one broadcast."""
+        from laminar.relay.plan import join
+
+        self.node_ips[relay_id] = node_ip
+        self.actors[relay_id] = start_relay_actor(relay_id, self.job, self.secret, self.cfg,
+                                                  node_ip, **dict(options))
+        [beat] = self._first_heartbeats([relay_id], self.cfg.timeout_s * 6)
+        info = RelayInfo.from_dict(beat["info"])
+        self.infos[relay_id], self.pids[relay_id], self.latest[relay_id] = info, beat["pid"], None
+        tail = self.plan.order[-1] if self.plan.order else None
+        if tail is not None:
+            err = ray.get(self.actors[tail].probe.remote(*info.address), timeout=3 * self.cfg.timeout_s + 30)
+            if err is not None:
+                ray.kill(self.actors.pop(relay_id))
+                raise ConfigError(f"{self._where(tail)} cannot reach the new {self._where(relay_id)} "
+                                  f"at {info.host}:{info.port}: {err}")
+        self.plan = join(self.plan, info)
+        self._broadcast_plan()
+        return info
 
     def _where(self, relay_id: str) -> str:
         ip = self.node_ips.get(relay_id)
@@ -160,7 +183,19 @@ class RelayGroup:
         self._broadcast_plan()
 
     def shutdown(self) -> None:
-        for i, actor in self.actors.items():
+        """Stop every relay of the job: those this group started and those another copy of it
+        started later (the manager's, for a node that joined), found by name."""
+        actors = dict(self.actors)
+        prefix = relay_actor_name(self.job, "")
+        try:
+            for a in ray.util.list_named_actors(all_namespaces=True):
+                if a.get("namespace") == "laminar" and a["name"].startswith(prefix):
+                    rid = a["name"].removeprefix(prefix)
+                    if rid not in actors:
+                        actors[rid] = ray.get_actor(a["name"], namespace="laminar")
+        except Exception as e:  # the listing is a courtesy: never fail a shutdown on it
+            log.warning("could not list the job's relays: %s", e)
+        for i, actor in actors.items():
             try:
                 ray.get(actor.stop.remote(), timeout=self.cfg.timeout_s)
             except Exception:
