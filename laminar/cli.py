@@ -59,9 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="modes only: runs of every mode (default 3; 1 with --quick)")
     p.add_argument("--no-control", dest="control", action="store_false", default=None,
                    help="modes only: skip the control runs with the env latency off")
-    p.add_argument("--task", default=None, choices=("reverse", "calc"),
-                   help="modes only: the workload: reverse (default; emulated tool latency) or "
-                        "calc (the agentic task: real sandboxed tool calls)")
+    p.add_argument("--task", default=None, choices=("reverse", "calc", "reasoning_gym"),
+                   help="modes only: the workload: reverse (default; emulated tool latency), "
+                        "calc (the agentic task: real sandboxed tool calls) or reasoning_gym "
+                        "(examples/reasoning-gym.yaml's task; needs the tasks extra)")
     p.add_argument("--predicted", default=None, metavar="JSON",
                    help="modes only: the simulator's prediction for this machine (`laminar "
                         "simulate --calibration LOCAL.json --out JSON`), compared with the measured ratios")

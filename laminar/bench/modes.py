@@ -8,13 +8,15 @@ schedule (`trainer.eval_every_s`), and the benchmark reports when each first rea
 fixed by rule before the run: the warm start's score plus 90% of sync's final gain
 (laminar/bench/learning.py). Training tokens/s stands beside it.
 
-    laminar bench modes [--task reverse|calc] [--quick] [--repeats N] [--no-control] [--out FILE]
+    laminar bench modes [--task reverse|calc|reasoning_gym] [--quick] [--repeats N] [--no-control]
+                        [--out FILE]
 
 `--task calc` races the schedules on the built-in agentic task instead (CALC_WORKLOAD): real
 multi-turn episodes whose Python tool calls run in the sandbox, so the environment latency is
 measured, not emulated, and there is no env-latency-off control. Its JSON adds the environment
 call latencies and turns per episode over every run (env_latency_p50_s, env_latency_p99_s,
-turns_p50, turns_p99).
+turns_p50, turns_p99). `--task reasoning_gym` runs examples/reasoning-gym.yaml's task the same
+way (reasoning-gym's generators and scorers; one-turn episodes, no tool latency).
 
 Each mode runs `--repeats` times (3; the modes' order rotates every repeat) with the emulated
 environment latency on, then the same again with it off (the control: what asynchrony gives
@@ -76,7 +78,24 @@ CALC_WORKLOAD = [
     "trainer.eval_every=0", "trainer.eval_every_s=60", "trainer.checkpoint_every=0",
     "metrics.tensorboard=false", "metrics.live=off",
 ]
-WORKLOADS = {"reverse": WORKLOAD, "calc": CALC_WORKLOAD}
+# reasoning-gym's generators (`--task reasoning_gym`, needs the tasks extra): examples/
+# reasoning-gym.yaml's task and warm start (cached once), one-turn episodes scored by the
+# generators' own score_answer; no emulated latency.
+REASONING_GYM_WORKLOAD = [
+    "model.preset=tiny", "rollout.num_workers=2", "cluster.virtual_nodes=2",
+    "task.name=reasoning_gym", "task.eval_prompts=128", "task.reasoning_gym.size=4096",
+    "task.reasoning_gym.datasets=[{name: spell_backward, weight: 3, config: {min_word_len: 3, "
+    "max_word_len: 6}}, {name: chain_sum, weight: 1, config: {min_terms: 2, max_terms: 3, "
+    "min_digits: 1, max_digits: 1}}]",
+    "rollout.group_size=8", "rollout.batch_groups=4", "rollout.max_new_tokens=12",
+    "rollout.engine.max_batch_size=64", "rollout.engine.kv_capacity_tokens=4096",
+    "sft.steps=400", "sft.max_seconds=600",
+    "trainer.prompts_per_step=32", "trainer.mini_batches=4", "trainer.lr=1e-4",
+    "trainer.threads=1", "rollout.threads=1",
+    "trainer.eval_every=0", "trainer.eval_every_s=10", "trainer.checkpoint_every=0",
+    "metrics.tensorboard=false", "metrics.live=off",
+]
+WORKLOADS = {"reverse": WORKLOAD, "calc": CALC_WORKLOAD, "reasoning_gym": REASONING_GYM_WORKLOAD}
 STEPS, QUICK_STEPS = 80, 12
 # Sync trains `steps` and so sets the held-out target; every other schedule may train this many
 # times as many, so that a schedule whose stale samples teach a little less per step still has
