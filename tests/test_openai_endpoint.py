@@ -380,6 +380,16 @@ def test_budget_ends_with_length_and_refuses_what_does_not_fit(agents):
     assert all(e.reward == 0.5 and len(e.request.output_ids) <= 12 for e, _ in ended)
 
 
+def test_hundreds_of_episodes_at_once(agents):
+    """A held-out evaluation begins hundreds of episodes together: every agent's request gets
+    through (no connection cap, no refused connection) and is answered."""
+    ended, _, episodes = run(agent_task(agents, "raises"), build_char_tokenizer(), n=300,
+                             max_turns=1, timeout_s=60.0)
+    assert all(e.turns == 1 for e, _ in ended)
+    assert episodes.failed_by_reason == {"env_error": 300}  # each raised after its answer
+    assert all("ValueError: the tool broke" in e.error for e, _ in ended)
+
+
 def test_episode_of_an_agent_stays_on_its_rollout(agents):
     """Repack moves episodes with their environment; an agent's is a running coroutine."""
     tokenizer = build_char_tokenizer()

@@ -38,8 +38,10 @@ return its reward; one that raises instead is scored 0 (a truncated episode, not
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import math
+import ssl
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -99,6 +101,7 @@ class AgentEnv(TokenEnv):
         self.server: Server | None = None
         self.session: Any = None
         self.runner: asyncio.Task | None = None
+        self.pool: Any = None  # the agent client's connection pool
         self.template: Any = None
         self.route = ""  # "chat" or "completion", fixed by the first request
         self.history: list[dict[str, str]] | str = []  # what the next request must start with
@@ -119,11 +122,12 @@ class AgentEnv(TokenEnv):
 
         self.template = template
         self.server = server = await running_server()
-        if server.http_client is None:  # one connection pool for every agent on this loop
-            server.http_client = _shared_pool()
         self.session = server.open()
+        # a connection pool per episode: one pool shared by hundreds of waiting requests spends
+        # quadratic time matching requests to connections (httpcore)
+        self.pool = openai.DefaultAsyncHttpxClient(verify=_tls_context())
         client = openai.AsyncOpenAI(base_url=server.base_url(self.session.id), api_key=server.secret,
-                                    max_retries=0, timeout=None, http_client=server.http_client)
+                                    max_retries=0, timeout=None, http_client=self.pool)
         self.runner = asyncio.ensure_future(self._run(client, sample))
         while True:
             event = await self.session.inbox.get()
@@ -177,6 +181,8 @@ class AgentEnv(TokenEnv):
             await asyncio.gather(self.runner, return_exceptions=True)
         if self.server is not None and self.session is not None:
             self.server.close(self.session)
+        if self.pool is not None:
+            await self.pool.aclose()
 
     async def _run(self, client: Any, sample: PromptItem) -> None:
         try:
@@ -300,16 +306,11 @@ class AgentEnv(TokenEnv):
         return [(tokenizer.decode([t]), lp) for t, lp in zip(turn.token_ids, turn.logprobs)]
 
 
-def _shared_pool() -> Any:
-    """The agents' connection pool; an agent that closes its client (`async with client:`)
-    leaves it open for the others."""
-    import openai
-
-    class SharedPool(openai.DefaultAsyncHttpxClient):
-        async def aclose(self) -> None:
-            pass
-
-    return SharedPool()
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """Built once (~20 ms): a client's pool would otherwise build its own. Plain HTTP never
+    uses it."""
+    return ssl.create_default_context()
 
 
 # ----------------------------------------------------------------------------- request bodies
@@ -391,4 +392,8 @@ def _show(m: dict[str, str]) -> str:
 
 
 def _raised(e: BaseException | None) -> str:
-    return "" if e is None else f" (it raised {type(e).__name__}: {e})"
+    if e is None:
+        return ""
+    cause = e.__cause__ or e.__context__  # the client's own errors wrap the transport's
+    why = f"; from {type(cause).__name__}: {cause!r:.200}" if cause is not None else ""
+    return f" (it raised {type(e).__name__}: {e}{why})"

@@ -85,10 +85,9 @@ class Server:
         self.sessions: dict[str, Session] = {}
         self.host, self.port = "127.0.0.1", 0
         self.listener: asyncio.base_events.Server | None = None
-        self.http_client: Any = None  # one connection pool for the agents' clients (openai's)
 
     async def start(self, host: str, port: int) -> None:
-        self.listener = await asyncio.start_server(self._connection, host, port)
+        self.listener = await asyncio.start_server(self._connection, host, port, backlog=1024)
         self.host, self.port = host, self.listener.sockets[0].getsockname()[1]
 
     @property
