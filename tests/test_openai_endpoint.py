@@ -25,7 +25,7 @@ from laminar.config import ConfigError, load_config
 from laminar.engine import Engine
 from laminar.envs.episode import _RUNNER, Episodes, run_episodes
 from laminar.envs.openai_agent import resolve_agent
-from laminar.envs.openai_server import running_server
+from laminar.envs.openai_server import running_server, serve
 from laminar.envs.template import TurnTemplate
 from laminar.models import EOS_ID, PAD_ID, build_preset
 from laminar.models.tokenizer import build_char_tokenizer
@@ -432,6 +432,14 @@ def test_requests_need_the_secret_and_a_live_session():
         return [m.id for m in models.data]
 
     assert asyncio.run(with_client()) == ["laminar"]
+    # a rollout's settings replace an endpoint started earlier in the process with defaults
+    # (cluster.backend=local: the warm start's evaluation ran its agents first)
+    rollout = serve("127.0.0.1", 0, "the-job-secret", _RUNNER)
+    assert rollout.url != server.url and rollout.secret == "the-job-secret"
+    assert raw(rollout.url, "GET", "/v1/models", "the-job-secret")[0] == 200
+    assert raw(rollout.url, "GET", "/v1/models", server.secret)[0] == 401
+    with pytest.raises(ConnectionRefusedError):
+        raw(server.url, "GET", "/v1/models", server.secret)
 
 
 def test_agent_config_errors_name_the_key(tmp_path):

@@ -231,6 +231,15 @@ async def running_server() -> Server:
     return await asyncio.shield(_servers[loop])
 
 
+async def _restart() -> Server:
+    """The endpoint on the running loop with the current settings: one started earlier with
+    others (an in-process warm-start evaluation's) stops listening."""
+    old = _servers.pop(asyncio.get_running_loop(), None)
+    if old is not None and old.done() and not old.exception():
+        old.result().listener.close()
+    return await running_server()
+
+
 async def _start(moved: bool) -> Server:
     server = Server(_settings.secret)
     await server.start(_settings.host, 0 if moved else _settings.port)  # a fixed port may still
@@ -247,7 +256,7 @@ def serve(host: str, port: int, secret: str | None, runner: Any, timeout_s: floa
 
     configure(host, port, secret)
     try:
-        return runner.submit(running_server()).result(timeout=timeout_s)
+        return runner.submit(_restart()).result(timeout=timeout_s)
     except OSError as e:
         raise ConfigError(f"rollout.openai_host={host!r} rollout.openai_port={port}: cannot listen "
                           f"({e}); use an address of this machine and a free port, or port 0 (any "
