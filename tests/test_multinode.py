@@ -174,12 +174,23 @@ def _wait_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 200)
     raise AssertionError(f"the job did not reach step {n} (exit {proc.poll()})")
 
 
+@pytest.mark.slow
 def test_a_node_that_joins_gets_a_relay_and_rollouts(cluster, tmp_path):
+    # long enough for the new node's rollout to start (a fresh raylet starts a worker that
+    # imports torch: ~10 s here) and generate for a while
     run = tmp_path / "run"
-    proc = _start(cluster, run, "mode=laminar", "trainer.total_steps=40")
+    proc = _start(cluster, run, "mode=laminar", "trainer.total_steps=200")
     try:
         _wait_steps(run, 3, proc)
         ip = cluster.add_node()  # a machine joins the running cluster
+        end = time.monotonic() + 150
+        while proc.poll() is None and time.monotonic() < end:  # until its rollout runs
+            procs = json.loads((run / "processes.json").read_text())
+            if ip in procs.get("rollout_nodes", {}).values():
+                break
+            time.sleep(0.5)
+        status = subprocess.run([sys.executable, "-m", "laminar.cli", "cluster", "status", "--address",
+                                 cluster.address], capture_output=True, text=True, timeout=120)
         out, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
@@ -187,6 +198,10 @@ def test_a_node_that_joins_gets_a_relay_and_rollouts(cluster, tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert "exactly-once check: passed" in out, out[-3000:]
     procs = json.loads((run / "processes.json").read_text())
+    # `laminar cluster status`, asked mid-run: every node, and the job's chain master first
+    assert status.returncode == 0, status.stderr[-2000:]
+    assert all(node in status.stdout for node in cluster.node_ips[:3]), status.stdout
+    assert "relay chain, master first" in status.stdout and "node0 (master)" in status.stdout
     [joined] = procs["nodes_joined"]
     assert joined["node"] == ip and procs["chain"][-1] == joined["relay"]  # at the tail
     assert procs["relay_addresses"][joined["relay"]].startswith(ip + ":")

@@ -76,7 +76,7 @@ class RelayGroup:
         self.infos = {h["id"]: RelayInfo.from_dict(h["info"]) for h in infos}
         self.pids = {h["id"]: h["pid"] for h in infos}
         self.latest: dict[str, int | None] = {h["id"]: h["latest"] for h in infos}  # at the last check
-        self.plan = ChainPlan(tuple(ids), self.infos, 1)
+        self.plan = ChainPlan(tuple(ids), dict(self.infos), 1)
         self._check_links()
         self._broadcast_plan()
 
@@ -91,7 +91,6 @@ class RelayGroup:
                                                   node_ip, **dict(options))
         [beat] = self._first_heartbeats([relay_id], self.cfg.timeout_s * 6)
         info = RelayInfo.from_dict(beat["info"])
-        self.infos[relay_id], self.pids[relay_id], self.latest[relay_id] = info, beat["pid"], None
         tail = self.plan.order[-1] if self.plan.order else None
         if tail is not None:
             err = ray.get(self.actors[tail].probe.remote(*info.address), timeout=3 * self.cfg.timeout_s + 30)
@@ -100,6 +99,7 @@ class RelayGroup:
                 raise ConfigError(f"{self._where(tail)} cannot reach the new {self._where(relay_id)} "
                                   f"at {info.host}:{info.port}: {err}")
         self.plan = join(self.plan, info)
+        self.infos[relay_id], self.pids[relay_id], self.latest[relay_id] = info, beat["pid"], None
         self._broadcast_plan()
         return info
 
