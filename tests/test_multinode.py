@@ -215,6 +215,32 @@ def test_a_node_that_joins_gets_a_relay_and_rollouts(cluster, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_relay_that_dies_on_a_live_node_is_replaced_there(cluster, tmp_path):
+    run = tmp_path / "run"
+    proc = _start(cluster, run, "mode=laminar", "trainer.total_steps=120")
+    try:
+        _wait_steps(run, 5, proc)
+        before = json.loads((run / "processes.json").read_text())
+        victim = before["rollout_relay"]["rollout0"]  # rollout0's relay, on a worker node
+        node_ip = before["rollout_nodes"]["rollout0"]
+        os.kill(before["relays"][victim], 9)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert "exactly-once check: passed" in out, out[-3000:]
+    after = json.loads((run / "processes.json").read_text())
+    new = after["rollout_relay"]["rollout0"]
+    assert new != victim and victim not in after["chain"] and new in after["chain"]
+    assert after["relay_addresses"][new].startswith(node_ip + ":")  # on rollout0's own node
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    steps = [r for r in rows if r.get("kind") == "step"]
+    # rollout0 went on generating after the kill, with weights from the new relay
+    assert (steps[-1].get("gen_tokens_per_s_by_rollout") or {}).get("rollout0", 0) > 0
+
+
+@pytest.mark.slow
 def test_job_goes_on_when_a_worker_node_dies(cluster, tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(

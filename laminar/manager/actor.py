@@ -217,7 +217,25 @@ class ManagerActor(RolloutManager):
             self.known_nodes.add(node)
             self._join_node(node, alive[node])
 
-    def _join_node(self, node: str, ip: str) -> None:
+    def replace_relays(self, dead: list[str]) -> dict[str, str]:
+        if not self.cfg.cluster.address:
+            return {}
+        alive = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        out = {}
+        for old in dead:
+            strategy = self.fleet.spec.options.get(old, {}).get("scheduling_strategy")
+            node = getattr(strategy, "node_id", None)
+            if node in alive:
+                new = self._start_relay(node, alive[node])
+                if new is not None:
+                    out[old] = new
+                    log.warning("relay %s died on live node %s: relay %s replaces it there", old,
+                                alive[node], new)
+        return out
+
+    def _start_relay(self, node: str, ip: str) -> str | None:
+        """A new relay on `node` at the chain's tail; the trainer gets the new plan. None when
+        it could not start (the job goes on without it)."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         group, spec = self.relays.group, self.fleet.spec
@@ -225,12 +243,18 @@ class ManagerActor(RolloutManager):
         pin = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
         try:
             info = group.add(relay_id, ip, pin)
-        except Exception as e:  # the job goes on without the node
-            log.warning("node %s joined but its relay did not start: %s", ip, e)
-            return
+        except Exception as e:
+            log.warning("a relay on node %s did not start: %s", ip, e)
+            return None
         spec.relays[relay_id] = info.to_dict()
         spec.options[relay_id] = {**next(iter(spec.options.values()), {}), **pin}
         self.relays.tell_trainer()  # the new plan (the relays have it already)
+        return relay_id
+
+    def _join_node(self, node: str, ip: str) -> None:
+        relay_id = self._start_relay(node, ip)
+        if relay_id is None:
+            return  # the job goes on without the node
         taken = {int(r.removeprefix("rollout").split(".")[0]) for r in
                  [*self.rollout_relay, *self.spawning, *self.dead]}
         new = []

@@ -187,7 +187,10 @@ class RolloutManager:
         with self.lock:
             detected, master = time.time(), self.relays.order[0]
             self.relays.cut(dead)
+            replaced = self.replace_relays(dead)
+            before = dict(self.rollout_relay)
             for rollout, relay in repoint(self.rollout_relay, dead, self.relays.order).items():
+                relay = replaced.get(before[rollout], relay)  # a new relay on its own node
                 self.rollout_relay[rollout] = relay
                 self.fleet.set_relay(rollout, relay)
             repaired, chain = time.time(), list(self.relays.order)
@@ -200,6 +203,12 @@ class RolloutManager:
 
     def check_nodes(self) -> None:
         """Machines that joined the cluster (the Ray actor watches them; nothing here)."""
+
+    def replace_relays(self, dead: list[str]) -> dict[str, str]:
+        """Dead relay -> a new relay on the same node, where one was started (on a cluster,
+        when the node outlived its relay: its rollouts can read only their own node's shared
+        memory). One machine: nothing; every relay's memory is local."""
+        return {}
 
     def _failover(self, dead: str, live: dict[str, RolloutSnapshot]) -> None:
         log.warning("rollout %s is dead; failing over", dead)
