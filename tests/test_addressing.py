@@ -103,3 +103,24 @@ def test_user_code_is_staged_and_found_from_the_shipped_copy(tmp_path, monkeypat
 def test_installed_packages_are_not_shipped(tmp_path):
     task = SimpleNamespace(reward="laminar.tasks.rewards:exact_match_reward", env="json:loads", agent=None)
     assert user_runtime_env(task, tmp_path) == ({}, [])
+
+
+def test_status_orders_a_chain_and_reports_link_speeds():
+    from laminar.runtime.status import _chain_position, link_speed_gbit, render
+
+    relays = [{"id": "node2", "successor": None, "info": {"host": "10.0.0.3", "port": 3},
+               "latest": 4, "versions": [3, 4], "failures": [],
+               "arrivals": {"3": {"bytes": 125_000_000, "seconds": 1.0},
+                            "4": {"bytes": 125_000_000, "seconds": 2.0}}},
+              {"id": "node0", "successor": "node1", "info": {"host": "10.0.0.1", "port": 1},
+               "latest": 4, "versions": [4], "failures": []},
+              {"id": "node1", "successor": "node2", "info": {"host": "10.0.0.2", "port": 2},
+               "latest": 4, "versions": [4], "failures": []},
+              {"id": "node9", "error": "TimeoutError: no heartbeat within 10s"}]
+    relays.sort(key=lambda r: _chain_position(r, relays))
+    assert [r["id"] for r in relays] == ["node0", "node1", "node2", "node9"]
+    assert link_speed_gbit(relays[2]) == pytest.approx(1.0)  # median of 0.5 and 1.0: the upper
+    assert link_speed_gbit(relays[1]) is None
+    text = render({"address": "10.0.0.1:6379", "jobs": {"abc": relays},
+                   "nodes": [{"id": "n" * 20, "ip": "10.0.0.1", "alive": True, "cpus": 4.0, "head": True}]})
+    assert "node0 (master)" in text and "10.0.0.3:3" in text and "no heartbeat" in text
