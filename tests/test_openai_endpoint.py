@@ -390,6 +390,21 @@ def test_hundreds_of_episodes_at_once(agents):
     assert all("ValueError: the tool broke" in e.error for e, _ in ended)
 
 
+def test_an_ended_episode_counts_until_collected(agents):
+    """Regression: an episode that ended between two hand-ons was counted nowhere, so a
+    rollout reported its batch done one group short; with cluster.backend=local the trainer then
+    waited for that group while nothing stepped the loop (a sync run hung)."""
+    task = agent_task(agents, "never_asks")
+    episodes = Episodes(task, build_char_tokenizer(), 2, 10.0)
+    episodes.begin(GenerationRequest("s", [], SamplingParams(max_new_tokens=20)),
+                   PromptGroup("s", task.train[0], [], 1))
+    while not episodes.ended:
+        episodes.poll()
+        time.sleep(0.001)
+    assert episodes.num_outside_engine == 1 and len(episodes.finished()) == 1
+    assert episodes.num_outside_engine == 0
+
+
 def test_episode_of_an_agent_stays_on_its_rollout(agents):
     """Repack moves episodes with their environment; an agent's is a running coroutine."""
     tokenizer = build_char_tokenizer()

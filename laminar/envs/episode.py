@@ -201,8 +201,9 @@ class Episodes:
 
     @property
     def num_outside_engine(self) -> int:
-        """Episodes in an environment call or waiting for their next turn to be decoded."""
-        return self.num_waiting + len(self.ready)
+        """Episodes in an environment call, waiting for their next turn to be decoded, or ended
+        and not collected yet (a batch is not done while its last episode sits there)."""
+        return self.num_waiting + len(self.ready) + len(self.ended)
 
     def __len__(self) -> int:
         """Episodes begun and not ended (decoding, in their environment, or ready)."""
