@@ -1,6 +1,6 @@
 """The HTTP side of the OpenAI-compatible endpoint: one server per rollout process, sessions.
 
-    serve("127.0.0.1", 0, secret)          # the rollout: configure this process's endpoint, start it
+    serve_rollout(cfg, "rollout0")         # a rollout: this process's endpoint (rollout.openai_*)
     server = await running_server()        # an episode (on the environment thread): the server
     session = server.open()                # its session; the agent's base URL: server.base_url(id)
     call = await session.inbox.get()       # a Call (a request waiting for its reply), or what
@@ -226,24 +226,27 @@ def configure(host: str, port: int, secret: str | None) -> None:
 async def running_server() -> Server:
     """The endpoint on the running loop, started on first use (by one caller; the others wait)."""
     loop = asyncio.get_running_loop()
-    if loop not in _servers:
-        _servers[loop] = loop.create_task(_start(moved=bool(_servers)))
+    if loop not in _servers:  # a fixed port may still be held by the server of a loop this
+        moved = bool(_servers)  # one replaced (an environment blocked it): take any free one
+        _servers[loop] = loop.create_task(_start(0 if moved else _settings.port, moved))
     return await asyncio.shield(_servers[loop])
 
 
 async def _restart() -> Server:
     """The endpoint on the running loop with the current settings: one started earlier with
     others (an in-process warm-start evaluation's) stops listening."""
-    old = _servers.pop(asyncio.get_running_loop(), None)
+    loop = asyncio.get_running_loop()
+    old = _servers.pop(loop, None)
     if old is not None and old.done() and not old.exception():
         old.result().listener.close()
-    return await running_server()
+    _servers[loop] = loop.create_task(_start(_settings.port, moved=False))
+    return await asyncio.shield(_servers[loop])
 
 
-async def _start(moved: bool) -> Server:
+async def _start(port: int, moved: bool) -> Server:
     server = Server(_settings.secret)
-    await server.start(_settings.host, 0 if moved else _settings.port)  # a fixed port may still
-    if moved:  # be held by the server of the loop this one replaced
+    await server.start(_settings.host, port)
+    if moved:
         log.warning("OpenAI-compatible endpoint moved to %s (the environment thread was "
                     "replaced)", server.url)
     return server
