@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 # Every benchmark at full size (engine, relay, simulator grid, modes: bench modes is most of the
-# time, about 75 minutes; faults about 6), then the index docs/results/README.md. Before bench modes, the
+# time, about 75 minutes; faults about 6; multinode about 11, needs root), then the index docs/results/README.md. Before bench modes, the
 # simulator predicts its ratios from a calibration measured on this machine (sim/local.py).
 # The bench extra (TRL for `bench modes`) is installed on top; the torch installed above stays.
 RESULTS := docs/results
@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/laminar simulate --calibration $(RESULTS)/sim-local-calibration.json --out $(RESULTS)/sim-local-prediction.json
 	$(BIN)/laminar bench modes --predicted $(RESULTS)/sim-local-prediction.json --out $(RESULTS)/bench-modes.json
 	$(BIN)/laminar bench faults --out $(RESULTS)/bench-faults.json
+	$(BIN)/laminar bench multinode --out $(RESULTS)/bench-multinode.json
 	$(BIN)/python -m laminar.bench.results $(RESULTS)
 
 clean:
