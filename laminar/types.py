@@ -156,7 +156,10 @@ class RolloutCounters:
     busy_s: float = 0.0  # engine steps
     idle_s: float = 0.0  # nothing to decode (waiting for prompts, weights or the environment)
     swaps: int = 0  # interruptions of in-flight work for new weights (partial rollout)
-    reprefill_tokens: int = 0  # tokens re-prefilled after a move or a swap
+    reprefill_tokens: int = 0  # context tokens re-prefilled for trajectories that arrived with
+    # tokens already generated (a repack or failover move, a partial-rollout swap)
+    reprefill_s: float = 0.0  # engine time of those re-prefills: each step's time x their share
+    # of the step's tokens (engine/engine.py)
     reward_errors: int = 0  # trajectories whose reward failed for good (after its retries)
     failed_by_reason: dict[str, int] = field(default_factory=dict)  # those, by reason
     tool_calls: dict[str, int] = field(default_factory=dict)  # environment tool calls by status
@@ -181,6 +184,8 @@ class RolloutSnapshot:
     held: bool  # admissions held by the manager (a repack source, until released)
     draining: bool  # admits nothing new until its in-flight work is done
     counters: RolloutCounters
+    newest: int | None = None  # newest version its weight source offered at its last step
+    # (None: none yet); above `version` once a newer one is published
 
     @property
     def kv_utilization(self) -> float:
