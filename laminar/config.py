@@ -308,12 +308,23 @@ class ClusterConfig(Section):
 
 class ManagerConfig(Section):
     repack: bool = Field(True, description="Dynamic repack of long-tail trajectories (laminar mode).")
-    interval_s: float = Field(0.5, gt=0.0, description="Period of the repack check (the paper "
-                              "uses 5 s on GPUs; CPU batches are shorter).")
+    interval_s: float = Field(0.5, gt=0.0, description="Period of the manager's checks: health, "
+                              "and repack's idleness check, which compares each rollout's KV use "
+                              "with the previous check's (the paper uses 5 s on GPUs; CPU "
+                              "trajectories are shorter). A check that sees a newly published "
+                              "version is followed by another after a quarter of this (the "
+                              "post-update trigger). docs/repack.md.")
     c_max: float = Field(0.99, gt=0.0, le=1.0, description="KV utilisation threshold C_max of "
-                         "Algorithm 1.")
-    batch_bound: int = Field(32, ge=1, description="Roofline batch bound B of Algorithm 1: the "
-                             "most trajectories a destination may hold after a repack.")
+                         "Algorithm 1: a rollout at or above it is full (plateau), and no repack "
+                         "fills a destination beyond it.")
+    batch_bound: int | None = Field(
+        None, ge=1, description="Batch bound B of Algorithm 1: the most trajectories a "
+        "destination may hold after a repack, where decode turns compute-bound. None = the knee "
+        "of this machine's decode curve for the run's model (the batch at which a decode step "
+        "costs 2x a batch-1 step; laminar/engine/knee.py), cached in .cache/engine-knee-*.json "
+        "and measured once in a few seconds if missing. Never above "
+        "rollout.engine.max_batch_size. Set it on a cluster whose rollouts run on other "
+        "hardware than the head node.")
     recreate: bool = Field(True, description="Start a new rollout in place of one whose process "
                            "died, once its work has failed over: on the same node (another live "
                            "relay's when that node's relay is gone too), under a new incarnation "
