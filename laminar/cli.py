@@ -1,4 +1,4 @@
-"""`laminar train | resume | sft | bench | report | cluster | simulate` — the command line.
+"""laminar: train | resume | sft | bench | report | scale | status | cluster | simulate.
 
 Heavy imports (torch, transformers, ray) are deferred into the subcommands so that `--help`
 answers at once. User mistakes (`ConfigError`) print one clear message and exit 2, no traceback.
@@ -77,6 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="write the HTML here (default: RUN_DIR/report.html; several runs: "
                         "report.html in the first one's parent directory)")
+
+    p = sub.add_parser("scale", help="add or remove rollouts of a running job (its driver "
+                       "applies the request within a second)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the job's run directory, e.g. runs/reverse")
+    p.add_argument("--add", type=int, default=0, metavar="N", help="start N more rollouts")
+    p.add_argument("--new-node", action="store_true",
+                   help="with --add: put them on a new virtual node whose relay joins the chain "
+                        "and catches up first (one machine; on a cluster, add a machine to Ray)")
+    p.add_argument("--remove", action="append", default=[], metavar="ROLLOUT",
+                   help="retire this rollout (repeatable); its in-flight work moves to peers")
+    p.add_argument("--rollouts", type=int, default=None, metavar="N",
+                   help="add or retire (newest first) rollouts until N are live")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the answer")
+
+    p = sub.add_parser("status", help="rollouts, relays, versions and pool depths of a job")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the job's run directory, e.g. runs/reverse")
 
     p = sub.add_parser("cluster", help="a multi-node Ray cluster on this machine (namespaces), "
                        "and the status of any cluster's nodes and relays")
@@ -194,6 +210,27 @@ def main(argv: list[str] | None = None) -> int:
             return simulate_main(args.args)
         elif args.command == "cluster":
             return cluster_command(args)
+        elif args.command == "scale":
+            from pathlib import Path
+
+            from laminar.modes.control import submit
+
+            if not (args.add or args.remove or args.rollouts is not None):
+                raise ConfigError("laminar scale: say what to change: --add N [--new-node], "
+                                  "--remove ROLLOUT or --rollouts N")
+            if args.new_node and not args.add:
+                raise ConfigError("--new-node goes with --add N (the rollouts to put on it)")
+            reply = submit(Path(args.run_dir), {"add": args.add, "new_node": args.new_node,
+                                                "remove": args.remove, "rollouts": args.rollouts},
+                           args.timeout)
+            print(f"laminar scale: {reply['message']}")
+            return 0 if reply.get("ok") else 1
+        elif args.command == "status":
+            from pathlib import Path
+
+            from laminar.modes.control import read_status, render_status
+
+            print(render_status(read_status(Path(args.run_dir))), end="")
     except ConfigError as e:
         print(f"laminar: {e}", file=sys.stderr)
         return 2

@@ -185,6 +185,10 @@ class RayRelays:
         return {r: self.group.latest.get(r) for r in self.group.plan.order}
 
     @property
+    def joins(self) -> list[dict[str, Any]]:
+        return list(self.group.joins)
+
+    @property
     def addresses(self) -> dict[str, str]:
         return {r: "%s:%d" % self.group.infos[r].address for r in self.group.plan.order}
 
@@ -233,16 +237,52 @@ class ManagerActor(RolloutManager):
                                 alive[node], new)
         return out
 
-    def _start_relay(self, node: str, ip: str) -> str | None:
-        """A new relay on `node` at the chain's tail; the trainer gets the new plan. None when
-        it could not start (the job goes on without it)."""
+    def scale_up(self, n: int, new_node: bool) -> list[str]:
+        """`laminar scale`: n more rollouts, beside the relays with the fewest rollouts, or all
+        on a new virtual node with a relay of its own that joins the chain and catches up
+        first (one machine; on a cluster a new node is a machine joining Ray)."""
+        if new_node and self.cfg.cluster.address:
+            raise ValueError("on a cluster a new node is a machine joining Ray (`ray start "
+                             "--address ...`, or `laminar cluster add`); the job gives it a relay "
+                             "and cluster.rollouts_per_new_node rollouts by itself")
+        if new_node:
+            relay = self._start_relay(None, None)
+            if relay is None:
+                raise RuntimeError("the new virtual node's relay did not start (see the log)")
+            relays = [relay]
+        else:
+            relays = list(self.relays.order)
+        load = {r: 0 for r in relays}
+        for r in [*self.rollout_relay.values(), *(v[2] for v in self.spawning.values())]:
+            if r in load:
+                load[r] += 1
+        new = []
+        for rid in self._new_ids(n):
+            relay = min(relays, key=lambda r: (load[r], relays.index(r)))
+            load[relay] += 1
+            with self.lock:
+                self.spawn_joining(rid, relay)
+            new.append(rid)
+        return new
+
+    def _new_ids(self, n: int) -> list[str]:
+        taken = {int(r.removeprefix("rollout").split(".")[0])
+                 for r in [*self.rollout_relay, *self.spawning, *self.dead]}
+        first = max(taken, default=-1) + 1
+        return [f"rollout{first + k}" for k in range(n)]
+
+    def _start_relay(self, node: str | None, ip: str | None) -> str | None:
+        """A new relay on `node` (None: a new virtual node on this machine) at the chain's
+        tail, caught up to the master's newest version; the trainer gets the new plan. None
+        when it could not start (the job goes on without it)."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         group, spec = self.relays.group, self.fleet.spec
         relay_id = f"node{max(int(r.removeprefix('node')) for r in group.actors) + 1}"
-        pin = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+        pin = {} if node is None else {
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
         try:
-            info = group.add(relay_id, ip, pin)
+            info = group.add(relay_id, ip, pin, catch_up_s=self.cfg.cluster.wait_timeout_s)
         except Exception as e:
             log.warning("a relay on node %s did not start: %s", ip, e)
             return None
@@ -255,12 +295,8 @@ class ManagerActor(RolloutManager):
         relay_id = self._start_relay(node, ip)
         if relay_id is None:
             return  # the job goes on without the node
-        taken = {int(r.removeprefix("rollout").split(".")[0]) for r in
-                 [*self.rollout_relay, *self.spawning, *self.dead]}
         new = []
-        for _ in range(self.cfg.cluster.rollouts_per_new_node):
-            rid = f"rollout{max(taken, default=-1) + 1}"
-            taken.add(int(rid.removeprefix("rollout")))
+        for rid in self._new_ids(self.cfg.cluster.rollouts_per_new_node):
             with self.lock:
                 self.spawn_joining(rid, relay_id)
             new.append(rid)

@@ -15,10 +15,16 @@ and capacity, trajectories in flight), and every `relay.heartbeat_s` each relay'
 - **relays**: a dead relay (the master too) is cut out of the chain and the live relays and
   the trainer get the new plan (`Relays.find_dead`, `Relays.cut`); the rollouts that pulled
   from it pull from a live one (`health.repoint`);
-- **repack** (schedules whose policy `repacks`): `ramp_down_loads` picks the draining rollouts,
-  `plan_repack` (Algorithm 1) pairs each source with the densest same-version destination; each
-  move is export (abort; the source holds) → adopt (the destination re-prefills) → partial pool
-  reassign → release (the emptied source pulls the newest weights and leases its next batch);
+- **repack** (schedules whose policy `repacks`; docs/repack.md): at every check each rollout's
+  KV use is compared with the previous check's (`kv_history`): `idle_loads` picks the rollouts
+  in decline (§5.2: their KV fell with nothing left to admit), `plan_repack` (Algorithm 1)
+  pairs each source with the densest same-version destination under C_max and the batch
+  bound B (`manager.batch_bound`, by default the knee of this machine's decode curve,
+  `batch_bound`); each move is export (abort; the source holds) → adopt (the destination
+  re-prefills) → partial pool reassign → release (the emptied source pulls the newest weights
+  and leases its next batch). A check that sees a newly published version (`is_post_update`)
+  is followed by another after a quarter interval, when the rollouts it made stale have
+  started to decline: the paper's post-update trigger;
 - **elasticity**: `add` registers a joining rollout; `retire` moves a leaving one's work first.
 
 Every failure is recorded in `stats()["faults"]`: kind (rollout, relay), who, when the manager
@@ -39,7 +45,7 @@ from typing import Any, Protocol
 
 from laminar.config import Config
 from laminar.manager.health import assign_unfinished, incarnation, overdue, recreate_on, repoint
-from laminar.manager.repack import plan_repack, ramp_down_loads
+from laminar.manager.repack import KvSample, idle_loads, is_post_update, kv_phase, plan_repack
 from laminar.pools.partials import PartialEntry
 from laminar.types import GenerationRequest, RolloutSnapshot, Unfinished
 
@@ -98,6 +104,20 @@ class Relays(Protocol):
     def latest(self) -> dict[str, int | None]: ...  # the newest version each relay held at the last check
 
 
+def batch_bound(cfg: Config) -> int:
+    """Algorithm 1's B: `manager.batch_bound`, or the knee of this machine's decode curve for
+    the run's model (laminar/engine/knee.py; cached, measured once in a child process), never
+    above the engine's decode batch (`rollout.engine.max_batch_size`): trajectories beyond it
+    would wait in the destination's queue, not decode."""
+    bound = cfg.manager.batch_bound
+    if bound is None:
+        from laminar.engine.knee import cached_knee
+
+        bound = cached_knee(cfg.model.preset, cfg.model.path, cfg.rollout.threads)["knee"]
+        log.info("manager.batch_bound: %d, the knee of this machine's decode curve", bound)
+    return min(bound, cfg.rollout.engine.max_batch_size)
+
+
 class RolloutManager:
     def __init__(self, cfg: Config, fleet: Fleet, pools: ManagerPools, relays: Relays | None,
                  rollout_relay: dict[str, str], repack: bool, mixes_versions: bool) -> None:
@@ -121,12 +141,17 @@ class RolloutManager:
         self.recreated: list[list[str]] = []  # [dead id, the id of the rollout that replaced it]
         self.orphaned: set[str] = set()  # dead rollouts with work that found no live rollout yet
         self.faults: list[dict[str, Any]] = []  # {kind, who, detected_at, repaired_at, ...}, Unix time
+        self.kv_history: dict[str, KvSample] = {}  # rollout -> its KV at the previous check (C_prev)
+        self.kv_phases: dict[str, str] = {}  # rollout -> its phase at the last check
+        self.newest_seen: int | None = None  # newest published version seen at a check
+        self.post_update = False  # the last check saw a new version: check again soon
+        self.batch_bound = batch_bound(cfg) if self.repack else None
 
     def run(self, stop: threading.Event) -> dict[str, Any]:
-        """Check rollouts every manager.interval_s and relays every relay.heartbeat_s until
-        `stop` is set."""
+        """Check rollouts every manager.interval_s (`next_check_s`) and relays every
+        relay.heartbeat_s until `stop` is set."""
         next_relays = time.monotonic()
-        while not stop.wait(self.cfg.manager.interval_s):
+        while not stop.wait(self.next_check_s()):
             try:
                 self.check_once()
                 if self.relays is not None and time.monotonic() >= next_relays:
@@ -139,6 +164,12 @@ class RolloutManager:
                 log.exception("rollout manager: a health check failed; the next one goes on")
         return self.stats()
 
+    def next_check_s(self) -> float:
+        """manager.interval_s; a quarter of it after a check that saw a newly published version
+        (the post-update trigger: the rollouts it made stale stop admitting, and their decline
+        is measured against that check's KV)."""
+        return self.cfg.manager.interval_s / (4 if self.post_update else 1)
+
     def stats(self) -> dict[str, Any]:
         """Counters and state, JSON-safe. Not under the lock (a retirement holds it for long);
         each copy is one step the health loop cannot interleave with."""
@@ -148,6 +179,8 @@ class RolloutManager:
                 "faults": [dict(f) for f in self.faults],
                 "nodes_joined": [dict(n) for n in self.nodes_joined],
                 "relay_addresses": dict(getattr(self.relays, "addresses", {}) or {}),
+                "relay_joins": list(getattr(self.relays, "joins", []) or []),
+                "kv_phases": dict(self.kv_phases), "batch_bound": self.batch_bound,
                 "chain": list(self.relays.order) if self.relays is not None else [],
                 "relay_versions": dict(self.relays.latest) if self.relays is not None else {}}
 
@@ -174,10 +207,8 @@ class RolloutManager:
                 if len(self._hand_over(owner, [Unfinished(e.request, e.group) for e in entries], snaps)) == len(entries):
                     self.orphaned.discard(owner)
             self.counters["checks"] += 1
-            if self.repack and len(snaps) > 1:
-                for source, dest in plan_repack(ramp_down_loads(snaps.values()),
-                                                self.cfg.manager.c_max, self.cfg.manager.batch_bound):
-                    self._move(source, dest)
+            if self.repack:
+                self._repack(snaps)
             return snaps
 
     def check_relays(self) -> list[str]:
@@ -304,6 +335,22 @@ class RolloutManager:
         self.counters["returned_groups"] += len(returned)
 
     # ------------------------------------------------------------------------- repack
+
+    def _repack(self, snaps: dict[str, RolloutSnapshot]) -> None:
+        """Algorithm 1 over the rollouts in decline since the previous check; then remember
+        this check's KV of every rollout as the next one's C_prev."""
+        c_max = self.cfg.manager.c_max
+        self.post_update = is_post_update(self.newest_seen, snaps.values())
+        self.newest_seen = max([self.newest_seen or 0] + [s.newest for s in snaps.values()
+                                                           if s.newest is not None])
+        self.kv_phases = {r: kv_phase(self.kv_history.get(r), s, c_max) for r, s in snaps.items()}
+        loads = idle_loads(snaps.values(), self.kv_history, c_max)
+        self.kv_history = {r: KvSample(s.version, s.kv_used_tokens) for r, s in snaps.items()}
+        if len(loads) < 2:
+            return
+        for source, dest in plan_repack(loads, c_max, self.batch_bound):
+            self._move(source, dest)
+            self.kv_history.pop(source, None)  # emptied: it fills up afresh
 
     def _move(self, source: str, dest: str) -> None:
         t0 = time.perf_counter()

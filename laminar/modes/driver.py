@@ -59,6 +59,7 @@ class Follower:
         self.newest_evaluated = -1  # the newest version an evaluation has reported on
         self.restarts = 0  # trainer restarts seen
         self.published_key = ""  # what processes.json / faults-JOB.json last said
+        self.status_at = -1e9  # when RUN_DIR/status.json was last written
         if cfg.resume:
             summary = getattr(rt, "resumed", None)
             self.log_event("resume", f"the job resumed in {run_dir}: " + (
@@ -123,6 +124,7 @@ class Follower:
         manager = self.rt.manager_stats()
         self._events(manager)
         self._publish(manager)
+        self._control(manager, snaps)
         self._reassign_evals(manager["workers"])
         self.view.update(self._live_state(snaps, manager))
         if not rows:
@@ -233,6 +235,64 @@ class Follower:
         _write_json(run_dir / f"faults-{ids['job']}.json", manager.get("faults", []))
         self.published_key = key
 
+    def _control(self, manager: dict[str, Any], snaps: dict[str, Any], finished: bool = False) -> None:
+        """RUN_DIR/status.json (at most once a second) and the requests of `laminar scale`
+        (laminar/modes/control.py)."""
+        from laminar.modes import control
+
+        run_dir = self.cfg.resolved_run_dir
+        if not hasattr(self.rt, "process_ids"):
+            for path, _ in control.pending_requests(run_dir):
+                control.answer(path, {"ok": False, "message": "the local backend (one process) "
+                                      "cannot add or remove rollouts; run with cluster.backend=ray"})
+            return
+        requests = control.pending_requests(run_dir)
+        for path, request in requests:
+            reply = self._apply(request, manager)
+            manager, snaps = self.rt.manager_stats(), self.rt.snapshots()
+            control.write_status(run_dir, self._status(manager, snaps, finished))  # before the reply
+            control.answer(path, reply)
+        now = time.monotonic()
+        if finished or requests or now - self.status_at >= control.STATUS_EVERY_S:
+            self.status_at = now
+            control.write_status(run_dir, self._status(manager, snaps, finished))
+
+    def _apply(self, request: dict[str, Any], manager: dict[str, Any]) -> dict[str, Any]:
+        from laminar.modes.control import plan_scale
+
+        live = [w for w in manager["workers"] if w not in manager["dead"]]
+        try:
+            add, remove = plan_scale(request, live)
+            added = self.rt.scale_up(add, bool(request.get("new_node"))) if add else []
+            moved = {wid: self.rt.retire_worker(wid) for wid in remove}
+        except (ValueError, RuntimeError) as e:
+            self.log_event("scale_refused", str(e))
+            return {"ok": False, "message": str(e)}
+        parts = ([f"starting {', '.join(added)} (they join once they answer)"] if added else []) + [
+            f"{wid} left ({n} trajectories moved to peers)" for wid, n in moved.items()]
+        message = "; ".join(parts) or "nothing to do"
+        self.log_event("scale", message)
+        return {"ok": True, "message": message, "added": added, "removed": list(moved)}
+
+    def _status(self, manager: dict[str, Any], snaps: dict[str, Any], finished: bool) -> dict[str, Any]:
+        nodes = self.rt.rollout_nodes() if hasattr(self.rt, "rollout_nodes") else {}
+        relays = manager.get("worker_relay", {})
+        addresses = manager.get("relay_addresses", {})
+        versions = manager.get("relay_versions", {})
+        return {
+            "job": getattr(self.rt, "job", None), "mode": self.cfg.mode, "finished": finished,
+            "step": self.step, "total_steps": self.cfg.trainer.total_steps, "version": self.version,
+            "rollouts": [{"id": w, "node": nodes.get(w), "relay": relays.get(w), "version": s.version,
+                          "in_flight": s.num_in_flight, "kv_util": s.kv_utilization,
+                          "generated_tokens": s.counters.generated_tokens}
+                         for w, s in sorted(snaps.items())],
+            "starting": manager.get("spawning", []), "dead": manager.get("dead", []),
+            "relays": [{"id": r, "address": addresses.get(r), "latest": versions.get(r)}
+                       for r in manager["chain"]],
+            "relay_joins": manager.get("relay_joins", []),
+            "pools": self.rt.pool_depths() if hasattr(self.rt, "pool_depths") else {},
+        }
+
     def _live_state(self, snaps: dict[str, Any], manager: dict[str, Any]) -> Any:
         from laminar.live import LiveState, RolloutLine
 
@@ -248,6 +308,10 @@ class Follower:
         return LiveState(self.seen, lines, [(r, versions.get(r)) for r in manager["chain"]])
 
     def close(self) -> None:
+        try:
+            self._control(self.rt.manager_stats(), self.rt.snapshots(), finished=True)
+        except Exception:  # the status file is a courtesy: never fail the end of a run on it
+            pass
         self._records(self.rt.take_records(close=True))
         self.logger.close()
         self.view.__exit__(None, None, None)

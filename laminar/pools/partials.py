@@ -128,6 +128,10 @@ class PartialPool:
     def group_ids(self) -> set[str]:
         return {e.group.group_id for e in self.entries.values()}
 
+    def size(self) -> int:
+        """Trajectories in flight (a Ray actor method: `len()` cannot be called remotely)."""
+        return len(self)
+
     def __len__(self) -> int:
         return len(self.entries)
 

@@ -283,6 +283,39 @@ class ClusterRuntime:
         self.workers[wid] = handle
         return wid
 
+    def scale_up(self, n: int, new_node: bool = False) -> list[str]:
+        """`laminar scale`: the manager starts `n` rollouts (on a new virtual node with its own
+        relay, caught up first, when `new_node`); they join once they answer."""
+        try:
+            return ray.get(self.manager.scale_up.remote(n, new_node), timeout=self.cfg.cluster.wait_timeout_s)
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e))
+            raise type(cause)(str(cause)) from None
+
+    def rollout_nodes(self) -> dict[str, str]:
+        """Rollout id -> its node's address (asked once per rollout: they do not move)."""
+        cache = self.__dict__.setdefault("_node_of", {})
+        missing = {w: h for w, h in self._live().items() if w not in cache}
+        cache.update(self._answers({w: h.node_ip.remote() for w, h in missing.items()}, timeout_s=2))
+        return dict(cache)
+
+    def pool_depths(self) -> dict[str, int]:
+        """What the pools hold now: groups leased to rollouts, waiting to be leased again,
+        trajectories in flight (partial pool), groups ready for the trainer."""
+        refs = {"prompts": self.pools["prompts"].accounting.remote(),
+                "partials": self.pools["partials"].size.remote(),
+                "buffer": self.pools["buffer"].counts.remote()}
+        got = self._answers(refs, timeout_s=2)
+        out: dict[str, int] = {}
+        if "prompts" in got:
+            out |= {"groups_leased": got["prompts"]["leased"], "groups_returned": got["prompts"]["returned"],
+                    "groups_trained": got["prompts"]["consumed"]}
+        if "partials" in got:
+            out["trajectories_in_flight"] = got["partials"]
+        if "buffer" in got:
+            out["groups_ready"] = got["buffer"]["ready_groups"]
+        return out
+
     def retire_worker(self, wid: str) -> int:
         """Elasticity: a rollout leaves; its in-flight work moves to peers first."""
         moved = self.wait(self.manager.retire.remote(wid), f"retirement of {wid}")

@@ -16,6 +16,7 @@ successor becomes master (`plan.repair`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,6 +70,7 @@ class RelayGroup:
         self.job, self.cfg, self.secret = job, cfg or RelayConfig(), secret
         self.node_ips = dict(node_ips or {})
         self.misses: dict[str, int] = {}  # heartbeats in a row a relay did not answer in time
+        self.joins: list[dict[str, Any]] = []  # relays added at runtime: how they caught up
         self.actors = {i: start_relay_actor(i, job, secret, self.cfg, self.node_ips.get(i),
                                             **dict((options or {}).get(i, {})))
                        for i in ids}
@@ -80,7 +82,8 @@ class RelayGroup:
         self._check_links()
         self._broadcast_plan()
 
-    def add(self, relay_id: str, node_ip: str | None, options: Mapping[str, Any]) -> RelayInfo:
+    def add(self, relay_id: str, node_ip: str | None, options: Mapping[str, Any],
+            catch_up_s: float = 60.0) -> RelayInfo:
         """A relay joins the running chain at its tail (a node joined the cluster): started,
         its link from the old tail tried, then every relay gets the new plan. The old tail
         forwards it the newest version at once, so it catches up within one broadcast."""
@@ -98,10 +101,33 @@ class RelayGroup:
                 ray.kill(self.actors.pop(relay_id))
                 raise ConfigError(f"{self._where(tail)} cannot reach the new {self._where(relay_id)} "
                                   f"at {info.host}:{info.port}: {err}")
+        master = self.plan.master
+        target = ray.get(self.actors[master].heartbeat.remote(), timeout=self.cfg.timeout_s)["latest"] \
+            if master is not None else None
+        t0 = time.monotonic()
         self.plan = join(self.plan, info)
         self.infos[relay_id], self.pids[relay_id], self.latest[relay_id] = info, beat["pid"], None
         self._broadcast_plan()
+        caught_up = self._catch_up(relay_id, target, catch_up_s)
+        self.joins.append({"relay": relay_id, "master_version": target, "version": caught_up,
+                           "seconds": round(time.monotonic() - t0, 3), "at": time.time()})
         return info
+
+    def _catch_up(self, relay_id: str, target: int | None, timeout_s: float) -> int | None:
+        """Wait until the new relay holds the version the master held when it joined (the old
+        tail forwards it its newest at once); its rollouts start after, on current weights."""
+        end = time.monotonic() + timeout_s
+        latest = None
+        while True:
+            latest = ray.get(self.actors[relay_id].heartbeat.remote(), timeout=self.cfg.timeout_s)["latest"]
+            if target is None or (latest is not None and latest >= target) or time.monotonic() > end:
+                break
+            time.sleep(0.05)
+        self.latest[relay_id] = latest
+        if target is not None and (latest is None or latest < target):
+            log.warning("relay %s holds version %s, not yet the master's %s after %.0fs; its "
+                        "rollouts start anyway and pull when it arrives", relay_id, latest, target, timeout_s)
+        return latest
 
     def _where(self, relay_id: str) -> str:
         ip = self.node_ips.get(relay_id)
