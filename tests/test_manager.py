@@ -123,33 +123,48 @@ def manager(fleet, pools, relays=None, repack=True, mixes=False, placement=None,
     return RolloutManager(cfg, fleet, pools, relays, placement, repack, mixes)
 
 
-def test_repack_moves_the_sparser_draining_rollout_to_the_denser_one():
-    fleet = Fleet({"a": snap("a", kv=100), "b": snap("b", kv=300), "c": snap("c", draining=False)})
+def declining(fleet, m, **later):
+    """Two checks: the second sees each rollout's KV 50 tokens below the first (or `later`)."""
+    m.check_once()
+    for r, s in list(fleet.snaps.items()):
+        fleet.snaps[r] = snap(r, s.version, later.get(r, s.kv_used_tokens - 50), s.num_in_flight,
+                              s.draining, s.held, s.num_waiting)
+    m.check_once()
+
+
+def test_repack_moves_the_sparser_declining_rollout_to_the_denser_one():
+    fleet = Fleet({"a": snap("a", kv=150), "b": snap("b", kv=350), "c": snap("c", draining=False)})
     pools = Pools()
     m = manager(fleet, pools)
     m.check_once()
+    assert fleet.calls == []  # no earlier check: nothing is known to decline yet
+    declining(fleet, m)
     assert fleet.calls == [("export", "a"), ("adopt", "b", ["a-t"]), ("release", "a")]
     assert pools.reassigned == [(["a-t"], "b", [[7, 7, 7]])]
     assert m.counters["repacks"] == 1 and m.counters["moved_trajectories"] == 1
 
 
-def test_no_repack_across_versions_for_a_held_or_admitting_rollout_or_when_off():
+def test_no_repack_across_versions_for_a_held_admitting_or_rising_rollout_or_when_off():
     for snaps in ({"a": snap("a", version=1), "b": snap("b", version=2)},
                   {"a": snap("a", held=True), "b": snap("b")},
-                  {"a": snap("a", waiting=2), "b": snap("b")}):
+                  {"a": snap("a", waiting=2), "b": snap("b")},
+                  {"a": snap("a", draining=False), "b": snap("b")}):
         fleet = Fleet(snaps)
-        manager(fleet, Pools()).check_once()
+        declining(fleet, manager(fleet, Pools()))
         assert fleet.calls == []
+    fleet = Fleet({"a": snap("a"), "b": snap("b", kv=300)})  # KV still rising: not idle yet
+    declining(fleet, manager(fleet, Pools()), a=120, b=320)
+    assert fleet.calls == []
     fleet = Fleet({"a": snap("a"), "b": snap("b", kv=300)})
-    manager(fleet, Pools(), repack=False).check_once()
+    declining(fleet, manager(fleet, Pools(), repack=False))
     assert fleet.calls == []
 
 
 def test_a_refused_move_goes_back_to_its_source():
-    fleet = Fleet({"a": snap("a", kv=100), "b": snap("b", kv=300)}, refuse={"b"})
+    fleet = Fleet({"a": snap("a", kv=150), "b": snap("b", kv=350)}, refuse={"b"})
     pools = Pools()
     m = manager(fleet, pools)
-    m.check_once()
+    declining(fleet, m)
     assert fleet.calls == [("export", "a"), ("adopt", "b", ["a-t"]), ("adopt", "a", ["a-t"]),
                            ("release", "a")]
     assert pools.reassigned == [] and m.counters["refused_moves"] == 1

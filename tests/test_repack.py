@@ -1,4 +1,6 @@
-"""Algorithm 1 (Best-Fit Trajectory Consolidation) against hand-worked cases."""
+"""The idleness metric (§5.2: ramp-up, plateau, decline from two checks) and Algorithm 1
+(Best-Fit Trajectory Consolidation) against hand-worked cases; the plan's invariants on
+random fleets; the post-update trigger; the decode curve's knee (the batch bound B)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,10 @@ import random
 
 import pytest
 
-from laminar.manager.repack import RolloutLoad, is_candidate, plan_repack
+from laminar.engine.knee import knee
+from laminar.manager.repack import (KvSample, RolloutLoad, idle_loads, is_candidate, is_post_update,
+                                    kv_phase, plan_repack)
+from laminar.types import RolloutCounters, RolloutSnapshot
 
 
 def load(rid: str, used: int, reqs: int, *, prev: int | None = None, cap: int = 1000,
@@ -113,3 +118,86 @@ def test_bad_input_names_the_problem():
         plan_repack([load("A", 1, 1), load("A", 2, 1)], 0.9, 8)
     with pytest.raises(ValueError, match="kv_capacity_tokens"):
         plan_repack([load("A", 1, 1, cap=0)], 0.9, 8)
+
+
+# ------------------------------------------------------------------------- idleness (§5.2)
+
+
+def snap(rid: str = "r", kv: int = 300, *, version: int = 0, n: int = 3, waiting: int = 0,
+         draining: bool = True, held: bool = False, newest: int | None = None) -> RolloutSnapshot:
+    return RolloutSnapshot(rid, version, n, 0, n - waiting, waiting, kv, 1000, held, draining,
+                           RolloutCounters(), newest)
+
+
+def test_the_lifecycle_of_fig_9_from_two_checks():
+    prev = KvSample(version=0, kv_used_tokens=400)
+    assert kv_phase(None, snap(), 0.99) == "ramp_up"  # first sight: filling
+    assert kv_phase(KvSample(1, 900), snap(), 0.99) == "ramp_up"  # new weights: a fresh fill
+    assert kv_phase(prev, snap(kv=500), 0.99) == "ramp_up"
+    assert kv_phase(prev, snap(kv=400), 0.99) == "plateau"  # flat
+    # KV fell, but what finished is refilled: from the engine's queue, or by a schedule still
+    # admitting (a rollout topping up saws below its cap)
+    assert kv_phase(prev, snap(waiting=1), 0.99) == "plateau"
+    assert kv_phase(prev, snap(draining=False), 0.99) == "plateau"
+    assert kv_phase(KvSample(0, 999), snap(kv=995), 0.99) == "plateau"  # still full (>= C_max)
+    assert kv_phase(prev, snap(), 0.99) == "decline"  # fell, nothing left to admit: idle
+
+
+def test_idle_loads_carry_the_measured_c_prev_and_leave_out_held_rollouts():
+    previous = {"a": KvSample(0, 400), "b": KvSample(0, 700), "c": KvSample(0, 100),
+                "h": KvSample(0, 900)}
+    snaps = [snap("a", 300), snap("b", 650, n=5), snap("c", 200), snap("h", 100, held=True),
+             snap("new", 50)]
+    assert idle_loads(snaps, previous, 0.99) == [RolloutLoad("a", 0, 300, 400, 1000, 3),
+                                                 RolloutLoad("b", 0, 650, 700, 1000, 5)]
+    # those loads are exactly Algorithm 1's candidates: a -> b (950 <= 990, 8 reqs <= B)
+    assert plan_repack(idle_loads(snaps, previous, 0.99), 0.99, 8) == [("a", "b")]
+
+
+def test_post_update_means_a_newer_version_reached_a_rollout_since_the_last_check():
+    assert not is_post_update(3, [snap(newest=3), snap(newest=None)])
+    assert is_post_update(3, [snap(newest=3), snap(newest=4)])
+    assert is_post_update(None, [snap(newest=0)])
+    assert not is_post_update(None, [snap(newest=None)])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_plan_never_crosses_versions_nor_overfills_c_max_or_b(seed):
+    """Random fleets of three versions and mixed capacities: every move stays within its
+    version; every destination ends at or under C_max x capacity and B trajectories; no
+    rollout is both a source and a destination, none is emptied twice."""
+    rng = random.Random(seed)
+    rs = []
+    for i in range(rng.randrange(2, 24)):
+        cap = rng.choice([500, 1000, 4096])
+        used = rng.randrange(1, cap)
+        rs.append(RolloutLoad(f"r{i}", rng.randrange(3), used, max(0, used + rng.randrange(-50, 200)),
+                              cap, rng.randrange(0, 20)))
+    c_max, bound = rng.choice([0.5, 0.9, 0.99, 1.0]), rng.randrange(2, 24)
+    plan = plan_repack(rs, c_max, bound)
+    by_id = {r.rollout_id: r for r in rs}
+    sources = [s for s, _ in plan]
+    assert len(sources) == len(set(sources)) and not set(sources) & {d for _, d in plan}
+    for s, d in plan:
+        assert by_id[s].version == by_id[d].version
+        assert is_candidate(by_id[s], c_max, bound) and is_candidate(by_id[d], c_max, bound)
+    for d in {d for _, d in plan}:
+        moved = [by_id[s] for s, dd in plan if dd == d]
+        dest = by_id[d]
+        assert dest.kv_used_tokens + sum(m.kv_used_tokens for m in moved) <= c_max * dest.kv_capacity_tokens
+        assert dest.num_reqs + sum(m.num_reqs for m in moved) <= bound
+
+
+# ------------------------------------------------------------------------- the batch bound B
+
+
+def test_the_knee_is_where_a_step_costs_twice_a_batch_1_step():
+    # a roofline a + c*b, a = 1 ms, c = 0.05 ms: 2 x (a + c) = a + c*b at b = a/c + 2 = 22,
+    # between the measured 16 (1.8 ms) and 32 (2.6 ms), found by linear interpolation
+    line = {b: 1.0 + 0.05 * b for b in (1, 2, 4, 8, 16, 32, 64)}
+    assert knee(line) == 22
+    assert knee({1: 1.0, 8: 1.5, 16: 2.0}) == 16  # reached exactly at a measured batch
+    assert knee({1: 1.0, 64: 1.2, 256: 1.9}) == 256  # never compute-bound: the largest measured
+    assert knee({"1": 1.0, "2": 3.0}) == 1  # JSON keys; a curve that doubles at once
+    with pytest.raises(ValueError, match="batch 1"):
+        knee({8: 1.0, 16: 2.0})

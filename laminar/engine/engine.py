@@ -13,7 +13,8 @@ finished rows at once. The `GenerationRequest` objects are the state: the engine
 `output_ids` / `logprobs` in place, `abort` hands them back unfinished, and `add` of a request
 with tokens already generated resumes it by re-prefilling prompt + prefix (the KV is rebuilt,
 the sampling noise is counter-based, so the continuation is the one an uninterrupted run
-would have produced).
+would have produced). `num_reprefill_tokens` and `reprefill_s` count what those re-prefills
+cost: the resumed contexts' tokens and their token share of the steps that prefilled them.
 
 Seeds: a request's draws depend only on its seed and token index (sampler.py). `params.seed`
 pins them (two requests with the same seed and prompt draw the same tokens, so give each sample
@@ -29,6 +30,7 @@ swap lets in-flight requests continue on their cached keys and values.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -59,6 +61,8 @@ class Engine:
         self.version = version
         self.scheduler = Scheduler(max_batch_size, kv_capacity_tokens)
         self.num_generated_tokens = 0
+        self.num_reprefill_tokens = 0  # contexts of resumed requests prefilled again
+        self.reprefill_s = 0.0  # their share of the steps that did it (see step)
         self._rng = random.Random(seed)  # seeds for requests that bring none
         self._live: dict[str, Sequence] = {}
         self._done_on_add: list[Sequence] = []  # resumed with nothing left to do: finish next step
@@ -137,6 +141,7 @@ class Engine:
                 seq.request.version = self.version
         num_decode = len(rows) - len(admitted)
         decoding = rows[:num_decode]
+        t0 = time.perf_counter()
         logits = self.runner.run(
             [seq.request.output_ids[-1] for seq in decoding],
             [seq.num_tokens - 1 for seq in decoding],
@@ -147,7 +152,22 @@ class Engine:
             all(seq.is_greedy for seq in rows), any(seq.is_filtered for seq in rows),
             self.runner.device)
         tokens, logprobs = sample(logits, sampling)
-        return deltas + self._postprocess(rows, tokens.tolist(), logprobs.tolist())
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()  # waits for the device
+        reprefill = sum(seq.num_tokens for seq in admitted if seq.is_resumed)
+        if reprefill:
+            self._count_reprefill(admitted, reprefill, num_decode, time.perf_counter() - t0)
+        return deltas + self._postprocess(rows, tokens, logprobs)
+
+    def _count_reprefill(self, admitted: list[Sequence], reprefill: int, num_decode: int,
+                         seconds: float) -> None:
+        """A re-prefill shares its step with other rows: it is charged the step's time in
+        proportion to its tokens (every token-wise op runs over the step's flat token list;
+        attention, the one op that is not, is small at these contexts)."""
+        step_tokens = num_decode + sum(seq.num_tokens for seq in admitted)
+        self.num_reprefill_tokens += reprefill
+        self.reprefill_s += seconds * reprefill / step_tokens
+        for seq in admitted:
+            seq.is_resumed = False
 
     def _postprocess(self, rows: list[Sequence], tokens: list[int], logprobs: list[float]
                      ) -> list[TokenDelta]:

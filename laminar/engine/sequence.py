@@ -13,7 +13,7 @@ from laminar.types import GenerationRequest
 
 class Sequence:
     __slots__ = ("request", "seed", "stop_ids", "admitted_at", "num_tokens", "sampling_row",
-                 "is_greedy", "is_filtered", "stop_seqs")
+                 "is_greedy", "is_filtered", "stop_seqs", "is_resumed")
 
     def __init__(self, request: GenerationRequest, seed: int, eos_token_id: int) -> None:
         params = request.params
@@ -30,6 +30,9 @@ class Sequence:
         # step by the engine, the only writer of output_ids while the request is inside
         self.num_tokens = len(request.prompt_ids) + len(request.output_ids)
         self.sampling_row, self.is_greedy, self.is_filtered = sampling_row(params)
+        # arrived with tokens generated elsewhere (a move, a swap): its first prefill is a
+        # re-prefill, counted by the engine; cleared once done (a preemption's is not)
+        self.is_resumed = bool(request.output_ids)
 
     @property
     def request_id(self) -> str:

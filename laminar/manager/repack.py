@@ -1,15 +1,28 @@
-"""Dynamic repack: the paper's Algorithm 1 (Best-Fit Trajectory Consolidation), as a pure function.
+"""Dynamic repack: the paper's idleness metric (§5.2) and Algorithm 1 (Best-Fit Trajectory
+Consolidation), as pure functions.
 
-    plan = plan_repack(loads, c_max=0.99, batch_bound=128)   # -> [(source_id, destination_id), ...]
+    phase = kv_phase(prev, snapshot, c_max)                 # ramp_up | plateau | decline
+    loads = idle_loads(snapshots, previous_samples, c_max)  # the rollouts in decline
+    plan = plan_repack(loads, c_max=0.99, batch_bound=32)   # -> [(source_id, destination_id), ...]
 
 Parts:
-- `RolloutLoad`: what the rollout manager knows about one rollout at a check (KV in tokens);
-  `ramp_down_loads` builds them from the rollouts' snapshots.
-- `is_candidate`: the idleness metric (§5.2): the rollout is in its ramp-down phase (KV use fell
-  since the previous check and is below C_max) and holds a few (0 < n < B) trajectories.
+- `KvSample`: what the rollout manager remembers of a rollout from its previous check (weights
+  version, KV tokens): C_prev.
+- `kv_phase`: where a rollout is in Fig. 9's lifecycle, from two consecutive checks.
+  **ramp-up**: no earlier sample with these weights (a fresh fill), or its KV rose.
+  **plateau**: its KV did not fall, or it is full (at C_max), or what finishes is refilled:
+  trajectories wait in its engine, or its schedule still admits (a rollout topping up refills
+  a group at a time, so its KV saws up and down below its cap; that is its plateau).
+  **decline**: its KV fell since the previous check, below C_max, with nothing waiting and
+  nothing more admitted (§5.2: usage falls "only when no waiting trajectories are left and
+  the running ones complete"; from then on the rollout is idle).
+- `idle_loads`: the rollouts in decline, as Algorithm 1's inputs with C_prev measured.
+- `is_candidate`: Algorithm 1, line 3: KV use fell below min(C_max, C_prev), 0 < n < B.
 - `plan_repack`: groups rollouts by weight version (a trajectory never changes version), then
   runs Best-Fit within each group: sources smallest KV first; each goes to the candidate whose
   resulting KV utilisation is highest, if its tokens and trajectories fit (`CanFit`).
+- `is_post_update`: a newer version was published since the previous check (the paper's
+  second trigger; the manager checks again soon after it, laminar/manager/manager.py).
 
 Two readings of the printed algorithm, made explicit here:
 - A rollout already emptied (planned as a source) is never a destination (line 9).
@@ -23,14 +36,27 @@ The real rollout manager (an actor) and the simulator (`laminar.sim`) both call 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from laminar.types import RolloutSnapshot
+
+Phase = Literal["ramp_up", "plateau", "decline"]
+
+
+@dataclass(frozen=True, slots=True)
+class KvSample:
+    """A rollout at the manager's previous check."""
+
+    version: int  # weights it held then
+    kv_used_tokens: int  # C_prev, in tokens
 
 
 @dataclass(frozen=True, slots=True)
 class RolloutLoad:
+    """What Algorithm 1 knows about one rollout at a check (KV in tokens)."""
+
     rollout_id: str
     version: int  # weight version the rollout generates with
     kv_used_tokens: int  # real tokens in its KV cache now
@@ -43,14 +69,31 @@ class RolloutLoad:
         return self.kv_used_tokens / self.kv_capacity_tokens
 
 
-def ramp_down_loads(snapshots: Iterable[RolloutSnapshot]) -> list[RolloutLoad]:
-    """The rollouts in their ramp-down, as Algorithm 1's inputs. Only a rollout that stopped
-    admitting (draining, not held, nothing waiting in its engine) is in ramp-down (Fig. 9).
-    Line 3's C_used < C_prev asks exactly that: a draining rollout admits nothing, so its KV
-    only falls (its few tails may still grow a little), and its capacity stands in for C_prev."""
-    return [RolloutLoad(s.rollout_id, s.version, s.kv_used_tokens, s.kv_capacity_tokens,
-                        s.kv_capacity_tokens, s.num_in_flight)
-            for s in snapshots if s.draining and not s.held and not s.num_waiting]
+def kv_phase(prev: KvSample | None, s: RolloutSnapshot, c_max: float) -> Phase:
+    """Where `s` is in its lifecycle (Fig. 9), given the previous check's sample."""
+    if prev is None or prev.version != s.version or s.kv_used_tokens > prev.kv_used_tokens:
+        return "ramp_up"
+    refilled = s.num_waiting > 0 or not s.draining
+    if s.kv_used_tokens == prev.kv_used_tokens or s.kv_utilization >= c_max or refilled:
+        return "plateau"
+    return "decline"
+
+
+def idle_loads(snapshots: Iterable[RolloutSnapshot], previous: Mapping[str, KvSample],
+               c_max: float) -> list[RolloutLoad]:
+    """Algorithm 1's inputs: the rollouts in decline (not held: a held rollout is a source
+    being emptied or a rollout leaving), C_prev their KV at the previous check."""
+    return [RolloutLoad(s.rollout_id, s.version, s.kv_used_tokens,
+                        previous[s.rollout_id].kv_used_tokens, s.kv_capacity_tokens, s.num_in_flight)
+            for s in snapshots
+            if not s.held and kv_phase(previous.get(s.rollout_id), s, c_max) == "decline"]
+
+
+def is_post_update(newest_before: int | None, snapshots: Iterable[RolloutSnapshot]) -> bool:
+    """A version newer than `newest_before` (the newest seen at the previous check) has reached
+    a rollout's weight source: the trainer published an update since then."""
+    newest = max((s.newest for s in snapshots if s.newest is not None), default=None)
+    return newest is not None and (newest_before is None or newest > newest_before)
 
 
 def is_candidate(r: RolloutLoad, c_max: float, batch_bound: int) -> bool:

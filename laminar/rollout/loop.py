@@ -71,6 +71,7 @@ class RolloutLoop:
         self.sync_to: int | None = None  # a version a global weight sync asked for
         self.held = False  # set by export: no admissions until the manager releases
         self.draining = False
+        self.newest: int | None = None  # newest version the weight source offered (last step)
         self.counters = RolloutCounters(versions=[engine.version])
         self.lock = threading.Lock()
         self.wake = threading.Event()  # set by every request, so an idle loop reacts at once
@@ -155,13 +156,14 @@ class RolloutLoop:
 
     def _decide(self) -> None:
         version = self.engine.version
+        self.newest = self.io.weights.newest()
         if self.sync_to is not None and self.sync_to <= version:
             self.sync_to = None
         size = self.cfg.group_size
         active = self.num_active
         free = (self.cfg.batch_groups * size - active) // size - len(self.leased)
         decision = self.policy.decide(LoopState(
-            version=version, newest=self.io.weights.newest(), sync_to=self.sync_to,
+            version=version, newest=self.newest, sync_to=self.sync_to,
             num_in_flight=active, num_leased=len(self.leased),
             num_requested=self.requested, free_groups=max(0, free), held=self.held))
         self.draining = decision.draining
@@ -218,6 +220,8 @@ class RolloutLoop:
         if deltas:
             self.counters.busy_s += time.perf_counter() - t0
             self.counters.generated_tokens += sum(len(d.token_ids) for d in deltas)
+        self.counters.reprefill_tokens = self.engine.num_reprefill_tokens  # moves and swaps
+        self.counters.reprefill_s = self.engine.reprefill_s
         return bool(deltas)
 
     def _hand_on(self, force: bool = False) -> bool:
@@ -284,7 +288,6 @@ class RolloutLoop:
         for state in states:
             self.engine.add(state)
         self.counters.swaps += 1
-        self.counters.reprefill_tokens += sum(state.num_tokens for state in states)
 
     def set_weights(self, weights: Any) -> None:
         """Read weights from another source from now on (its relay died)."""
@@ -305,7 +308,8 @@ class RolloutLoop:
                 num_unsettled=len(self.finisher) + self.io.buffer.num_unconfirmed,
                 num_running=stats.num_running, num_waiting=stats.num_waiting,
                 kv_used_tokens=stats.kv_used_tokens, kv_capacity_tokens=stats.kv_capacity_tokens,
-                held=self.held, draining=self.draining, counters=copy.deepcopy(self.counters))
+                held=self.held, draining=self.draining, counters=copy.deepcopy(self.counters),
+                newest=self.newest)
 
     def export(self) -> list[Unfinished]:
         """Abort everything in flight and hand it over (a repack source, a retiring rollout);
@@ -344,8 +348,7 @@ class RolloutLoop:
                     req.version = None
                     self.finisher.begin(req, m.group)
                     continue
-                self._add(req, m.group)
-                self.counters.reprefill_tokens += req.num_tokens
+                self._add(req, m.group)  # re-prefilled at its admission (engine counters)
             self.counters.adopted += len(moved)
         self.wake.set()
         return True
