@@ -142,6 +142,8 @@ class Unfinished:
     request: GenerationRequest  # prompt, tokens, log-probs and their versions so far
     group: PromptGroup  # the prompt (and reference answer) it samples
     episode: Any = None  # a multi-turn episode's state and environment (laminar.envs.episode)
+    started_at: float | None = None  # wall time of its first admission (its latency's start);
+    # None when it comes from the partial pool (failover, resume)
 
 
 @dataclass(slots=True)
@@ -164,6 +166,10 @@ class RolloutCounters:
     failed_by_reason: dict[str, int] = field(default_factory=dict)  # those, by reason
     tool_calls: dict[str, int] = field(default_factory=dict)  # environment tool calls by status
     # (a step's info["tool_status"]: ok, error, timeout, killed, output_limit for the sandbox)
+    traj_timed: int = 0  # trajectories whose generation ended here with a known start
+    traj_latency_sum_s: float = 0.0  # their latencies summed: wall time from the first admission
+    # of the trajectory (on whichever rollout) to its last token here, moves included
+    traj_latency_max_s: float = 0.0  # the longest of them
     adopted: int = 0  # trajectories received by repack or failover
     exported: int = 0  # trajectories handed over by repack or retirement
     versions: list[int] = field(default_factory=list)  # versions loaded, in order

@@ -139,6 +139,29 @@ def test_preemption_re_prefills_are_not_counted_as_moves(model):
     assert engine.scheduler.num_preempted > 0 and engine.num_reprefill_tokens == 0
 
 
+def test_a_moved_trajectory_keeps_its_start_so_its_latency_counts_the_time_before_the_move():
+    from test_rollout_loop import OVERRIDES, World, step_until
+
+    from laminar.modes import schedule
+
+    cfg = load_config(None, [*OVERRIDES, "rollout.max_new_tokens=40", "task.reverse.max_len=30"])
+    w = World("laminar", cfg)
+    src, dst = w.loop("src"), w.loop("dst", schedule("sync").policy(cfg))  # dst admits nothing
+    step_until(src, lambda: src.in_flight and all(r.output_ids for r, _ in src.in_flight.values()))
+    time.sleep(0.3)  # the moved trajectories are at least this old
+    moved = src.export()
+    assert moved and all(m.started_at is not None for m in moved)
+    contexts = sum(m.request.num_tokens for m in moved)  # prompt + tokens so far, at the move
+    moment = time.time()
+    assert dst.adopt(moved)
+    step_until(dst, lambda: not dst.in_flight)
+    c = dst.snapshot().counters
+    assert c.traj_timed == len(moved) and c.traj_latency_max_s >= 0.3
+    assert c.traj_latency_sum_s > len(moved) * (moment - max(m.started_at for m in moved))
+    assert c.reprefill_tokens == contexts and c.reprefill_s > 0
+    assert src.snapshot().counters.traj_timed == 0  # none ended there
+
+
 # ------------------------------------------------------------------------- live actors
 
 LIVE = ["sft.enabled=false", "mode=laminar", "rollout.num_workers=2", "cluster.virtual_nodes=1",
@@ -204,3 +227,4 @@ def test_move_between_two_live_rollout_actors(tmp_path, ray_cluster):
     contexts = sum(len(t) for t, _ in moved.values())  # + prompts: re-prefilled at least these
     assert dst.counters.reprefill_tokens > contexts and dst.counters.reprefill_s > 0
     assert src.counters.reprefill_tokens == 0
+    assert dst.counters.traj_timed >= len(moved)  # the moved ones' latencies end there

@@ -51,7 +51,8 @@ def assign_unfinished(moved: list[Unfinished], versions: dict[str, int],
                 restarted += 1
         k = turn.get(key, 0)
         turn[key] = k + 1
-        plan.setdefault(candidates[k % len(candidates)], []).append(Unfinished(req, m.group))
+        plan.setdefault(candidates[k % len(candidates)], []).append(
+            Unfinished(req, m.group, started_at=m.started_at))
     return plan, restarted
 
 

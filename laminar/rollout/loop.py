@@ -64,6 +64,7 @@ class RolloutLoop:
         self.params, self.cfg, self.heartbeat_s = params, cfg, heartbeat_s
         self.in_flight: dict[str, tuple[GenerationRequest, PromptGroup]] = {}
         self.streamed: dict[str, int] = {}  # trajectory id -> tokens already streamed
+        self.started: dict[str, float] = {}  # trajectory id -> wall time of its first admission
         self.leased: list[PromptGroup] = []  # handed out, not started yet
         self.lease_pending = False  # a lease request is out (the loop never blocks on it)
         self.next_lease = 0.0
@@ -198,6 +199,7 @@ class RolloutLoop:
             requests = group_requests(group, self.params)
             registrations.append((group, requests))
             for req in requests:
+                self.started[req.request_id] = time.time()
                 if self.finisher.begin(req, group):  # else its episode's reset runs first
                     self._add(req, group)
         self.io.partials.register(self.id, registrations)
@@ -216,6 +218,7 @@ class RolloutLoop:
         for d in deltas:
             if d.finish_reason is not None and d.request_id in self.in_flight:
                 self.streamed.pop(d.request_id, None)
+                self._time(d.request_id)
                 self.finisher.add(*self.in_flight.pop(d.request_id))
         if deltas:
             self.counters.busy_s += time.perf_counter() - t0
@@ -223,6 +226,15 @@ class RolloutLoop:
         self.counters.reprefill_tokens = self.engine.num_reprefill_tokens  # moves and swaps
         self.counters.reprefill_s = self.engine.reprefill_s
         return bool(deltas)
+
+    def _time(self, rid: str) -> None:
+        """Its latency, once its generation is over (a multi-turn episode: its first turn)."""
+        started = self.started.pop(rid, None)
+        if started is not None:
+            latency = time.time() - started
+            self.counters.traj_timed += 1
+            self.counters.traj_latency_sum_s += latency
+            self.counters.traj_latency_max_s = max(self.counters.traj_latency_max_s, latency)
 
     def _hand_on(self, force: bool = False) -> bool:
         now = time.monotonic()
@@ -321,8 +333,8 @@ class RolloutLoop:
                     episodes[rid] = self.finisher.episodes.detach(rid)
                 ids = [rid for rid in ids if episodes[rid] is not None]
             states = self.engine.abort(ids)
-            moved = [Unfinished(s, self.in_flight.pop(s.request_id)[1], episodes.get(s.request_id))
-                     for s in states]
+            moved = [Unfinished(s, self.in_flight.pop(s.request_id)[1], episodes.get(s.request_id),
+                                self.started.pop(s.request_id, None)) for s in states]
             for m in moved:
                 self.streamed.pop(m.request.request_id, None)
             self.held, self.draining = True, False
@@ -341,6 +353,8 @@ class RolloutLoop:
             for m in moved:
                 req = m.request
                 req.finish_reason = None
+                if m.started_at is not None:
+                    self.started[req.request_id] = m.started_at
                 if episodes is not None and m.episode is not None:
                     episodes.attach(m.episode)  # mid-episode, with its environment
                 elif episodes is not None:  # from the partial pool: its environment is gone,
