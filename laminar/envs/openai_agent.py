@@ -202,7 +202,7 @@ class AgentEnv(TokenEnv):
         result, info = event.result, {}
         if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
             result, info = result
-        if isinstance(result, bool) or not isinstance(result, (int, float)) or not math.isfinite(result):
+        if not isinstance(result, (int, float)) or not math.isfinite(result):  # bools count
             raise AgentError(f"{self.name} returned {event.result!r:.80}, not a finite reward "
                              "(a float, or (reward, info dict))")
         return StepResult([], float(result), True, info)
