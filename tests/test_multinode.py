@@ -174,29 +174,40 @@ def _wait_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 200)
     raise AssertionError(f"the job did not reach step {n} (exit {proc.poll()})")
 
 
-@pytest.mark.slow
-def test_a_node_that_joins_gets_a_relay_and_rollouts(cluster, tmp_path):
-    # long enough for the new node's rollout to start (a fresh raylet starts a worker that
-    # imports torch: ~10 s here) and generate for a while
-    run = tmp_path / "run"
-    proc = _start(cluster, run, "mode=laminar", "trainer.total_steps=200")
+def _job_with(cluster: NamespacedCluster, run: Path, steps: int, after: int, during) -> tuple[str, object]:
+    """A laminar-mode job of `steps` updates; `during()` runs once it reached `after` steps.
+    Returns its output and what `during` returned, once it ended well and lost nothing."""
+    proc = _start(cluster, run, "mode=laminar", f"trainer.total_steps={steps}")
     try:
-        _wait_steps(run, 3, proc)
-        ip = cluster.add_node()  # a machine joins the running cluster
-        end = time.monotonic() + 150
-        while proc.poll() is None and time.monotonic() < end:  # until its rollout runs
-            procs = json.loads((run / "processes.json").read_text())
-            if ip in procs.get("rollout_nodes", {}).values():
-                break
-            time.sleep(0.5)
-        status = subprocess.run([sys.executable, "-m", "laminar.cli", "cluster", "status", "--address",
-                                 cluster.address], capture_output=True, text=True, timeout=120)
+        _wait_steps(run, after, proc)
+        value = during()
         out, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
-    assert "exactly-once check: passed" in out, out[-3000:]
+    assert "exactly-once check: passed" in out and f"step  {steps:3d}/{steps}" in out, out[-3000:]
+    return out, value
+
+
+@pytest.mark.slow
+def test_a_node_that_joins_gets_a_relay_and_rollouts(cluster, tmp_path):
+    # long enough for the new node's rollout to start (a fresh raylet starts a worker that
+    # imports torch: ~10 s here) and generate for a while
+    run = tmp_path / "run"
+
+    def join():
+        ip = cluster.add_node()  # a machine joins the running cluster
+        end = time.monotonic() + 150
+        while time.monotonic() < end:  # until its rollout runs
+            if ip in json.loads((run / "processes.json").read_text()).get("rollout_nodes", {}).values():
+                break
+            time.sleep(0.5)
+        return ip, subprocess.run([sys.executable, "-m", "laminar.cli", "cluster", "status",
+                                   "--address", cluster.address], capture_output=True, text=True,
+                                  timeout=120)
+
+    _, (ip, status) = _job_with(cluster, run, 200, 3, join)
     procs = json.loads((run / "processes.json").read_text())
     # `laminar cluster status`, asked mid-run: every node, and the job's chain master first
     assert status.returncode == 0, status.stderr[-2000:]
@@ -217,19 +228,14 @@ def test_a_node_that_joins_gets_a_relay_and_rollouts(cluster, tmp_path):
 @pytest.mark.slow
 def test_a_relay_that_dies_on_a_live_node_is_replaced_there(cluster, tmp_path):
     run = tmp_path / "run"
-    proc = _start(cluster, run, "mode=laminar", "trainer.total_steps=120")
-    try:
-        _wait_steps(run, 5, proc)
+
+    def kill_relay():
         before = json.loads((run / "processes.json").read_text())
         victim = before["rollout_relay"]["rollout0"]  # rollout0's relay, on a worker node
-        node_ip = before["rollout_nodes"]["rollout0"]
         os.kill(before["relays"][victim], 9)
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-4000:]
-    assert "exactly-once check: passed" in out, out[-3000:]
+        return victim, before["rollout_nodes"]["rollout0"]
+
+    _, (victim, node_ip) = _job_with(cluster, run, 120, 5, kill_relay)
     after = json.loads((run / "processes.json").read_text())
     new = after["rollout_relay"]["rollout0"]
     assert new != victim and victim not in after["chain"] and new in after["chain"]
@@ -242,26 +248,6 @@ def test_a_relay_that_dies_on_a_live_node_is_replaced_there(cluster, tmp_path):
 
 @pytest.mark.slow
 def test_job_goes_on_when_a_worker_node_dies(cluster, tmp_path):
-    run = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "laminar.cli", "train", "examples/reverse.yaml",
-         f"cluster.address={cluster.address}", f"run_dir={run}", *TINY, "mode=laminar",
-         "trainer.total_steps=30", "trainer.checkpoint_every=5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parent.parent)
-    try:
-        end = time.monotonic() + 200
-        while time.monotonic() < end and not (run / "metrics.jsonl").exists():
-            time.sleep(0.5)
-        while time.monotonic() < end:
-            rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
-            if sum(r.get("kind") == "step" for r in rows) >= 5:
-                break
-            time.sleep(0.5)
-        killed = cluster.kill_node(2)
-        assert killed
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-4000:]
-    assert "step   30/30" in out and "exactly-once check: passed" in out, out[-3000:]
+    # every process of worker node 2 (its raylet, relay and rollout) gets SIGKILL at step 5
+    _, killed = _job_with(cluster, tmp_path / "run", 30, 5, lambda: cluster.kill_node(2))
+    assert killed
