@@ -76,9 +76,9 @@ class ClusterRuntime:
         from laminar.trainer.actor import TrainerActor
 
         cfg = self.cfg
-        self._init_ray()
-        self.job = uuid.uuid4().hex[:8]
         secret = (os.environ.get(cfg.relay.secret_env) or secrets.token_hex(16)).encode()
+        self._init_ray(secret)
+        self.job = uuid.uuid4().hex[:8]
         tokenizer = load_tokenizer(self.model_dir)
         self.task = task = build_task(cfg.task, cfg.sandbox)
         sampler = PromptSampler(task.train, partial(encode_prompt, tokenizer), cfg.rollout.group_size,
@@ -209,9 +209,11 @@ class ClusterRuntime:
     def _start_rollout(self, wid: str) -> Any:
         return self.rollout_spec.start(wid, self.placement.worker_relay[wid])
 
-    def _init_ray(self) -> None:
+    def _init_ray(self, secret: bytes) -> None:
         """Join `cluster.address` or start an embedded cluster. An address where nothing
-        answers is a ConfigError within seconds (ray.init would retry it for minutes)."""
+        answers is a ConfigError within seconds (ray.init would retry it for minutes). Every
+        process of the job gets the job secret as $relay.secret_env (the rollouts' OpenAI
+        endpoint takes it as its key; relays and the trainer get it as an argument)."""
         import socket
 
         from laminar.config import ConfigError
@@ -245,11 +247,16 @@ class ClusterRuntime:
                                                   [Path(self.cfg.resolved_run_dir)])
             for note in notes:
                 print(f"shipping {note}", flush=True)
-            ray.init(address=address, include_dashboard=False, runtime_env=runtime_env or None,
+        else:
+            runtime_env = {}
+        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}),
+                                   self.cfg.relay.secret_env: secret.decode()}
+        if address:
+            ray.init(address=address, include_dashboard=False, runtime_env=runtime_env,
                      log_to_driver=True, configure_logging=False)
         else:
             ray.init(num_cpus=self.cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
-                     log_to_driver=True, configure_logging=False)
+                     runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
         self.started_ray = True
 
     def _cluster_nodes(self) -> dict[str, str] | None:
