@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/laminar simulate --calibration $(RESULTS)/sim-local-calibration.json --out $(RESULTS)/sim-local-prediction.json
 	$(BIN)/laminar bench modes --predicted $(RESULTS)/sim-local-prediction.json --out $(RESULTS)/bench-modes.json
 	$(BIN)/laminar bench faults --out $(RESULTS)/bench-faults.json
+	$(BIN)/laminar bench repack --out $(RESULTS)/bench-repack.json
 	$(BIN)/laminar bench multinode --out $(RESULTS)/bench-multinode.json
 	$(BIN)/python -m laminar.bench.results $(RESULTS)
 

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "modes": "laminar.bench.modes",
     "faults": "laminar.bench.faults",
     "multinode": "laminar.bench.multinode",
+    "repack": "laminar.bench.repack",
     "index": "laminar.bench.results",  # not a benchmark: the table of docs/results/*.json
 }
 

@@ -13,9 +13,13 @@ Reported, per model preset:
   longest request) / the fewest steps a perfect continuous batcher needs (total tokens / max
   batch, at least the longest request);
 - per-step decode latency vs batch size (1, 8, 32, 64, 128): this machine's analogue of the
-  paper's Fig. 4, from which the repack batch bound B is read. `decode_latency_ms_by_batch` is
-  the median CPU time of a step (on one thread that is the wall latency of an idle core, and it
-  stays meaningful when other processes share the machine); wall medians are reported beside.
+  paper's Fig. 4. `decode_latency_ms_by_batch` is the median CPU time of a step (on one thread
+  that is the wall latency of an idle core, and it stays meaningful when other processes share
+  the machine); wall medians are reported beside;
+- the repack batch bound B read from that curve (laminar/engine/knee.py): the decode curve at
+  every power of two from 1 to 256 (`knee_curve_ms`) and its knee, the batch at which a step
+  costs 2x a batch-1 step (`batch_bound_knee`). It is written to the cache the rollout manager
+  reads for `manager.batch_bound` (.cache/engine-knee-<preset>-<cpu>-1t.json).
 
 Timing runs on one torch thread (a rollout worker's share of the 2-core machine; a second
 OpenMP thread on a shared core makes small ops slower, not faster). The two backends alternate
@@ -40,6 +44,7 @@ import torch
 from laminar.bench.provenance import provenance
 from laminar.config import ReverseTaskConfig
 from laminar.engine import Engine, HFEngine
+from laminar.engine import knee as engine_knee
 from laminar.models import PAD_ID, build_char_tokenizer, build_preset, encode_prompt
 from laminar.tasks.reverse import make_prompts
 from laminar.types import GenerationRequest, SamplingParams
@@ -182,6 +187,7 @@ def bench_preset(preset: str, num_requests: int, repeats: int, latency_steps: in
                   for b in BATCH_SIZES}
     static_lat = {str(b): static_decode_latency(model, b, no_eos, latency_steps)
                   for b in BATCH_SIZES}
+    knee_curve = engine_knee.decode_curve(model)
     padding = attention_padding(model, workload, MAX_BATCH_SIZE, no_eos)
     ratio = static_s / native_s
     ideal = static_steps / ideal_steps
@@ -199,6 +205,8 @@ def bench_preset(preset: str, num_requests: int, repeats: int, latency_steps: in
         decode_wall_ms_by_batch={b: v[1] for b, v in native_lat.items()},
         static_decode_latency_ms_by_batch={b: v[0] for b, v in static_lat.items()},
         static_decode_wall_ms_by_batch={b: v[1] for b, v in static_lat.items()},
+        knee_curve_ms={str(b): ms for b, ms in knee_curve.items()},
+        batch_bound_knee=engine_knee.knee(knee_curve),
         target_met=bool(ratio >= 2.5 and ratio >= 0.7 * ideal))
 
 
@@ -233,6 +241,10 @@ def print_report(results: list[dict]) -> None:
             latency.add_row(f"{r['preset']} {name}",
                             *(f"{cpu[str(b)]:.2f} ({wall[str(b)]:.2f})" for b in BATCH_SIZES))
     console.print(latency)
+    for r in results:
+        curve = ", ".join(f"{b}: {ms:.2f}" for b, ms in r["knee_curve_ms"].items())
+        console.print(f"{r['preset']}: decode step CPU ms by batch {{{curve}}}; knee (2x the "
+                      f"batch-1 step) = manager.batch_bound {r['batch_bound_knee']}")
 
 
 def main(quick: bool = False, out: str | None = None) -> dict:
@@ -254,10 +266,24 @@ def main(quick: bool = False, out: str | None = None) -> dict:
               "max_batch_size": MAX_BATCH_SIZE, "batch_sizes": list(BATCH_SIZES)}
     report = {**results[0], "threads": THREADS, "load_average_before_after": load,
               "presets": {r["preset"]: r for r in results}, "provenance": provenance(config)}
+    for r in results:  # the rollout manager's manager.batch_bound default from now on
+        _write_knee(r, load)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=2))
     return report
+
+
+def _write_knee(result: dict, load: list[float]) -> None:
+    file = engine_knee.cache_path(result["preset"], None, THREADS)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps({
+        "knee": result["batch_bound_knee"], "knee_factor": engine_knee.KNEE_FACTOR,
+        "curve_ms": result["knee_curve_ms"], "model": result["preset"],
+        "cpu": engine_knee.cpu_name(), "threads": THREADS, "torch": torch.__version__,
+        "load_average_1m": load[-1], "source": "laminar bench engine",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1) + "\n")
+    print(f"wrote {file}")
 
 
 # -- history: what each commit of the engine bought -------------------------------------------
@@ -274,6 +300,7 @@ import sys, time, torch
 torch.set_num_threads(1)
 from laminar.config import ReverseTaskConfig
 from laminar.engine import Engine, HFEngine
+from laminar.engine import knee as engine_knee
 from laminar.models import PAD_ID, build_char_tokenizer, build_preset, encode_prompt
 from laminar.tasks.reverse import make_prompts
 from laminar.types import GenerationRequest, SamplingParams
