@@ -377,6 +377,18 @@ class TrainerConfig(Section):
         3, ge=1, description="An optimizer update whose loss or gradient norm is NaN or inf is "
         "skipped (counted as `nonfinite_skipped`); this many in a row stop the run with a "
         "checkpoint and an error naming the step (a lower trainer.lr usually helps).")
+    world_size: int = Field(
+        1, ge=1, description="Data-parallel trainer ranks: N Ray actors forming one torch process "
+        "group (gloo on CPU, nccl on GPU), placed with a Ray placement group, one per node where "
+        "possible; each global batch is split across them by tokens (docs/trainer.md). Each rank "
+        "reserves trainer.threads CPUs plus cluster.trainer_resources (e.g. {GPU: 1}). Needs "
+        "cluster.backend=ray when above 1.")
+    sharding: Literal["full", "grad_op", "none"] = Field(
+        "full", description="With world_size > 1: `full` (FSDP2 fully_shard: parameters, "
+        "gradients and optimizer state sharded; parameters gathered per layer for forward and "
+        "again for backward), `grad_op` (the same at rest, but a layer's gathered parameters are "
+        "kept from forward through backward: one gather per step, more memory), `none` "
+        "(DistributedDataParallel: everything replicated, gradients all-reduced).")
 
 
 class SFTConfig(Section):
@@ -537,6 +549,11 @@ class Config(Section):
         if self.task.agent is not None and self.task.env is not None:
             raise ValueError(f"task.agent={self.task.agent!r} and task.env={self.task.env!r} are two "
                              "environments for the same prompts; keep one")
+        if self.trainer.world_size > 1 and self.cluster.backend == "local":
+            raise ValueError(f"trainer.world_size={self.trainer.world_size} starts one trainer "
+                             "process per rank, which needs cluster.backend=ray (the one-process "
+                             "backend has a single trainer); set cluster.backend=ray or "
+                             "trainer.world_size=1")
         if self.trainer.mini_batches > self.trainer.prompts_per_step:
             raise ValueError(f"trainer.mini_batches={self.trainer.mini_batches} exceeds "
                              f"trainer.prompts_per_step={self.trainer.prompts_per_step}; a "
