@@ -5,8 +5,9 @@
 
 Each JSON that carries a `provenance` key (see provenance.py) becomes a row: its headline
 figure, the command that wrote it, commit, date and machine. The headline is picked by the keys
-the JSON has — engine, relay, simulator grid, bench modes or bench faults — and quotes the numbers their docs
-quote. JSONs without provenance are listed by file name under "older results".
+the JSON has — engine, relay, simulator grid, bench modes, bench faults or bench repack — and
+quotes the numbers their docs quote. JSONs without provenance are listed by file name under
+"older results".
 """
 
 from __future__ import annotations
@@ -64,7 +65,18 @@ def headline(data: dict[str, Any]) -> str:
         return _modes(data)
     if "throughput_ratio_faulty_vs_clean" in data:
         return _faults(data)
+    if "gen_tokens_per_s_with" in data:
+        return _repack(data)
     return "—"
+
+
+def _repack(d: dict[str, Any]) -> str:
+    lo, hi = d["gain_range"]
+    lw, lwo = d["traj_latency_avg_max_with"], d["traj_latency_avg_max_without"]
+    return (f"generation tokens/s with/without repack {d['gain']:.2f}x ({lo:.2f}-{hi:.2f}; "
+            f"{d['gen_tokens_per_s_with']:,.0f} vs {d['gen_tokens_per_s_without']:,.0f}); KV "
+            f"{d['kv_util_with']:.3f} vs {d['kv_util_without']:.3f}; latency avg "
+            f"{lw[0]:.3f} vs {lwo[0]:.3f} s; {d['repacks']:.0f} repacks moving {d['moved']:.0f}")
 
 
 def _faults(d: dict[str, Any]) -> str:
