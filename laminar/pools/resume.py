@@ -293,9 +293,11 @@ def checkpoint_problem(ckpt: Path) -> str | None:
         int(state["version"])
     except (OSError, ValueError, KeyError) as e:
         return f"trainer_state.json: {e}"
-    for name in ("optimizer.pt", "rng.pt", "model/config.json"):
+    for name in ("rng.pt", "model/config.json"):
         if not (ckpt / name).is_file():
             return f"{name} is missing"
+    if not ((ckpt / "dcp" / ".metadata").is_file() or (ckpt / "optimizer.pt").is_file()):
+        return "dcp/.metadata is missing"  # the sharded model and optimizer (optimizer.pt before DCP)
     weights = sorted((ckpt / "model").glob("*.safetensors"))
     if not weights:
         return "model/*.safetensors is missing"

@@ -10,31 +10,35 @@ Parts:
   Trajectories whose reward failed (`failed` set) are left out before the group advantages;
   an update whose loss or gradient norm is not finite is skipped (`nonfinite_skipped`), and
   `trainer.max_nonfinite_steps` skipped in a row raise `NonFiniteTraining`;
-- `save_checkpoint` / `load_checkpoint` write and read model (Hugging Face format), optimizer,
-  version, RNG state and any caller state (e.g. the data position), atomically.
+- with `ranks` (trainer.world_size > 1, laminar/trainer/ranks.py) rank 0 plans each mini-batch
+  and every rank runs `train_shard` on its share: the model is sharded (FSDP2 `fully_shard`)
+  or replicated (DDP), each rank's loss is its tokens' share of the mini-batch's token mean,
+  gradients are summed over ranks before clipping, and the statistics are summed too, so one
+  update equals the single-rank update on the same batch up to float summation order;
+- `save_checkpoint` / `load_checkpoint` (laminar/trainer/checkpoint.py): model and optimizer
+  as a torch distributed checkpoint, a Hugging Face export, version, RNG state and any caller
+  state (e.g. the data position), atomically; `push` publishes the weights (from every rank's
+  shard, laminar/trainer/shards.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import json
 import logging
 import math
-import random
-import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from laminar.config import TrainerConfig
 from laminar.trainer.advantage import group_advantages
-from laminar.trainer.batching import token_budget_batches
 from laminar.trainer.loss import policy_loss, token_logprobs
+from laminar.trainer.ranks import Ranks, plan_micro_batches, shard
 from laminar.types import Trajectory
 
 log = logging.getLogger("laminar.trainer")
@@ -57,6 +61,9 @@ class Batch:
     @property
     def num_response_tokens(self) -> int:
         return int(self.response_mask.sum())
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def collate(trajs: list[Trajectory], advantages: torch.Tensor, pad_token_id: int) -> Batch:
@@ -90,26 +97,38 @@ def split_groups(trajs: list[Trajectory], parts: int) -> list[list[Trajectory]]:
 
 class Trainer:
     def __init__(self, model: PreTrainedModel, cfg: TrainerConfig, pad_token_id: int,
-                 temperature: float = 1.0) -> None:
-        self.model = model.train()
+                 temperature: float = 1.0, ranks: Ranks | None = None) -> None:
         self.cfg = cfg
+        self.ranks = ranks  # None: one process, no process group (trainer.world_size = 1)
+        self.world_size = ranks.world_size if ranks else 1
+        self.device = ranks.device if ranks else torch.device("cpu")
         self.pad_token_id = pad_token_id
         self.temperature = temperature if temperature > 0 else 1.0
         self.version = 0  # completed global batches = version of the current weights
         self._pending: list[dict[str, float]] = []  # stats of this global batch's mini-batches
+        self._prox_due = True  # the first update of a global batch refreshes `prox_model`
         self.nonfinite_in_a_row = 0  # updates skipped for a NaN / inf loss or gradient, in a row
         self.last_minibatches: list[dict[str, float]] = []  # those of the last finished one
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                           weight_decay=cfg.weight_decay)
+        model = model.to(self.device).train()
         self.ref_model = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.prox_model = None  # the weights at the start of this global batch (recompute modes)
         if cfg.old_logprobs != "rollout":
             self.prox_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.module = model  # the Hugging Face model: parameter names, save_pretrained
+        self.model = model  # what forward runs: the same module, or its DDP wrapper
+        if ranks is not None:
+            self.model = shard(model, ranks, cfg.sharding)
+            if self.ref_model is not None:
+                self.ref_model = shard(self.ref_model, ranks, cfg.sharding, frozen=True)
+            if self.prox_model is not None:
+                self.prox_model = shard(self.prox_model, ranks, cfg.sharding, frozen=True)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                           weight_decay=cfg.weight_decay)
 
-    def sequence_logprobs(self, model: PreTrainedModel, batch: Batch) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
+    def sequence_logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         return token_logprobs(logits[:, :-1], batch.targets, self.temperature)
 
@@ -122,10 +141,9 @@ class Trainer:
     def train_minibatch(self, trajs: list[Trajectory]) -> None:
         """One optimizer update on whole groups; gradients accumulate over length-sorted
         micro-batches so the loss is the token-level mean of the mini-batch. Failed samples
-        are left out (a group keeps its others); a NaN / inf loss or gradient skips the update."""
+        are left out (a group keeps its others); a NaN / inf loss or gradient skips the update.
+        With ranks, the mini-batch's sequences are split over them by tokens (`train_shard`)."""
         t0 = time.perf_counter()
-        if self.prox_model is not None and not self._pending:  # a new global batch begins
-            self.prox_model.load_state_dict(self.model.state_dict())
         for t in trajs:
             t.staleness = self.version - t.version
         trajs = [t for t in trajs if t.failed is None]
@@ -135,20 +153,18 @@ class Trainer:
         adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs]).tolist()
         num_tokens = sum(len(t.response_ids) if t.loss_mask is None else sum(t.loss_mask)
                          for t in trajs)  # the model's tokens: what the loss averages over
-        sums: dict[str, float] = {}
-        self.optimizer.zero_grad(set_to_none=True)
-        for group in token_budget_batches([t.num_tokens for t in trajs], self.cfg.micro_batch_tokens):
-            batch = collate([trajs[i] for i in group], torch.tensor([adv[i] for i in group]),
-                            self.pad_token_id)
-            loss, stats = self._loss(batch, num_tokens)
-            loss.backward()
-            weight = batch.num_response_tokens / num_tokens  # token-weighted average of stats
-            for key, value in {**stats, "loss": loss.item() / weight}.items():
-                sums[key] = sums.get(key, 0.0) + value * weight
-        sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                                 self.cfg.grad_clip))
-        if math.isfinite(sums["loss"]) and math.isfinite(sums["grad_norm"]):
-            self.optimizer.step()
+        plan = plan_micro_batches([t.num_tokens for t in trajs], self.world_size,
+                                  self.cfg.micro_batch_tokens)
+        steps = max(len(micro) for micro in plan)  # every rank runs as many forward passes
+        refresh = self._prox_due and self.prox_model is not None
+        args = [([([trajs[i] for i in g], [adv[i] for i in g]) for g in micro], num_tokens, steps,
+                 refresh) for micro in plan]
+        if self.ranks is None:
+            sums = self.train_shard(*args[0])
+        else:
+            sums = self.ranks.call(self, Trainer.train_shard, args)[0]
+        self._prox_due = False
+        if sums.pop("finite"):
             self.nonfinite_in_a_row = 0
             sums["nonfinite_skipped"] = 0
         else:
@@ -157,9 +173,61 @@ class Trainer:
         sums["train_s"] = time.perf_counter() - t0
         self._pending.append(sums)
 
-    def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
-        """Drop this update's gradients (no optimizer step); too many in a row end training."""
+    def train_shard(self, micro_batches: list[tuple[list[Trajectory], list[float]]],
+                    num_tokens: int, steps: int, refresh_prox: bool) -> dict[str, Any]:
+        """This rank's part of one optimizer update (every rank runs it at once): forward and
+        backward over its micro-batches (trajectories, advantages), padded to `steps` with empty
+        ones, the loss of each divided by the mini-batch's `num_tokens`; then the gradient norm,
+        clipping and the step (or no step, on every rank alike, when the summed loss or the
+        norm is not finite). Returns the mini-batch's statistics, summed over the ranks."""
+        if refresh_prox:  # a new global batch begins: the proximal weights are these
+            self.prox_model.load_state_dict(self.module.state_dict())
         self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for k in range(steps):
+            if k < len(micro_batches):
+                trajs, adv = micro_batches[k]
+                batch = collate(trajs, torch.tensor(adv), self.pad_token_id).to(self.device)
+            else:
+                batch = self._empty_batch()
+            with self._gradient_sync(k == steps - 1):
+                loss, stats = self._loss(batch, num_tokens)
+                # DDP and FSDP average gradients over the ranks; each rank's loss is its share
+                # of the mini-batch's mean, so scale it back to a sum (exact: a power of two or 1)
+                (loss * self.world_size if self.world_size > 1 else loss).backward()
+            weight = batch.num_response_tokens / num_tokens  # token-weighted average of stats
+            if weight == 0:  # an empty micro-batch: same keys on every rank, nothing added
+                sums.update({key: sums.get(key, 0.0) for key in [*stats, "loss"]})
+                continue
+            for key, value in {**stats, "loss": loss.item() / weight}.items():
+                sums[key] = sums.get(key, 0.0) + value * weight
+        if self.ranks is not None:
+            sums = self.ranks.all_reduce_sum(sums)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        sums["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        sums["finite"] = math.isfinite(sums["loss"]) and math.isfinite(sums["grad_norm"])
+        if sums["finite"]:
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        return sums
+
+    def _gradient_sync(self, last: bool) -> Any:
+        """DDP: all-reduce gradients only after the last micro-batch (FSDP reduce-scatters every
+        backward into the sharded gradients, which then accumulate)."""
+        if last or not hasattr(self.model, "no_sync"):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def _empty_batch(self) -> Batch:
+        """A micro-batch with no response tokens (its loss is 0): a rank that has fewer
+        micro-batches than another runs these, since every forward and backward is a collective."""
+        ids = torch.full((1, 2), self.pad_token_id, dtype=torch.long)
+        zeros = torch.zeros((1, 1))
+        return Batch(ids, torch.ones_like(ids), ids[:, 1:], zeros, zeros, torch.zeros(1)).to(self.device)
+
+    def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
+        """This update was dropped (no optimizer step); too many in a row end training."""
         self.nonfinite_in_a_row += 1
         limit = self.cfg.max_nonfinite_steps
         log.warning("trainer step %d: skipped an optimizer update, its loss is %s and its "
@@ -179,6 +247,7 @@ class Trainer:
         pending, self._pending = self._pending, []
         self.last_minibatches = pending
         self.version += 1
+        self._prox_due = True
         keys = dict.fromkeys(key for p in pending for key in p)
         metrics = {}
         for key in keys:
@@ -209,41 +278,30 @@ class Trainer:
                                   self.cfg.eps_high, ref, self.cfg.kl_coef, num_tokens, weights)
         return loss, {**stats, **extra}
 
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        """The weights to publish: a detached view of every parameter (no copy)."""
-        return {name: p.detach() for name, p in self.model.named_parameters()}
+    # ------------------------------------------------------------------------- weights out
 
-    # ----------------------------------------------------------------------------- checkpoints
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """One process: the weights to publish, a detached view of every parameter (no copy)."""
+        return {name: p.detach() for name, p in self.module.named_parameters()}
+
+    def push(self, sink: Any, version: int) -> float:
+        """Publish the current weights as `version` through `sink` (a `WeightSink`); returns
+        the stall in seconds. With ranks every rank writes its own shard (shards.py)."""
+        if self.ranks is None:
+            return sink.push(self.named_weights(), version)
+        from laminar.trainer.shards import push_from_shards
+
+        return push_from_shards(self, sink, version)
 
     def save_checkpoint(self, path: str | Path, tokenizer: PreTrainedTokenizerBase,
                         extra: dict[str, Any] | None = None) -> Path:
         """Write atomically: into `path.tmp`, then rename; a crash never leaves half a checkpoint."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self.model.save_pretrained(tmp / "model")
-        tokenizer.save_pretrained(tmp / "model")
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                    "python": random.getstate()}, tmp / "rng.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({"version": self.version, **(extra or {})}))
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
-        return path
+        from laminar.trainer.checkpoint import save
+
+        return save(self, Path(path), tokenizer, extra or {})
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer, version and RNG; returns the caller state saved with it."""
-        from transformers import AutoModelForCausalLM
+        from laminar.trainer.checkpoint import load
 
-        path = Path(path)
-        saved = AutoModelForCausalLM.from_pretrained(path / "model", dtype=torch.float32)
-        self.model.load_state_dict(saved.state_dict())
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-        rng = torch.load(path / "rng.pt", weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
-        extra = json.loads((path / "trainer_state.json").read_text())
-        self.version = extra.pop("version")
-        return extra
+        return load(self, Path(path))

@@ -1,0 +1,123 @@
+"""Checkpoints: model and optimizer as a torch distributed checkpoint, loadable at any world
+size, beside a Hugging Face export of the weights.
+
+    RUN_DIR/checkpoints/step_000010/
+      model/               save_pretrained (weights + tokenizer): what rollouts and `laminar
+                           resume` start from, and what evaluation or serving loads
+      dcp/                 torch.distributed.checkpoint of {"model", "optim"}: each rank writes
+                           its own shards, keyed by parameter name, so any number of ranks
+                           (one, without a process group) loads it and reshards on the way in
+      rng.pt               rank 0's torch / numpy / Python RNG
+      trainer_state.json   version, and the caller's state (update count, prompt position)
+
+`save` and `load` run on rank 0 and drive the other ranks (every rank takes part in the DCP
+collectives and in gathering the full weights for the export). A checkpoint is written into
+`step_N.tmp` and renamed: a crash never leaves half of one. Checkpoints written before DCP
+(`optimizer.pt` instead of `dcp/`) still load, at world size 1.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from laminar.config import ConfigError
+
+
+def save(trainer: Any, path: Path, tokenizer: PreTrainedTokenizerBase, extra: dict[str, Any]) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _on_every_rank(trainer, _write_shards, str(tmp))
+    tokenizer.save_pretrained(tmp / "model")
+    torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                "python": random.getstate()}, tmp / "rng.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps({"version": trainer.version, **extra}))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path
+
+
+def load(trainer: Any, path: Path) -> dict[str, Any]:
+    """Restore weights, optimizer, version and RNG; returns the caller state saved with it.
+    The optimizer's hyperparameters are the config's (a resume may lower trainer.lr)."""
+    if (path / "dcp").is_dir():
+        _on_every_rank(trainer, _read_shards, str(path))
+    elif trainer.ranks is None:
+        _read_single_process(trainer, path)
+    else:
+        raise ConfigError(f"checkpoint {path} predates sharded checkpoints (optimizer.pt, no "
+                          "dcp/): resume it once with trainer.world_size=1, whose next checkpoint "
+                          "loads at any world size")
+    cfg = trainer.cfg
+    for group in trainer.optimizer.param_groups:
+        group.update(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    rng = torch.load(path / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    extra = json.loads((path / "trainer_state.json").read_text())
+    trainer.version = extra.pop("version")
+    return extra
+
+
+def export_pretrained(trainer: Any, out: str) -> None:
+    """Every rank: gather the full weights (FSDP shards: one collective per tensor), and rank 0
+    writes them with `save_pretrained` into `out` (no tokenizer)."""
+    if trainer.ranks is None:
+        trainer.module.save_pretrained(out)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True,
+                                                                         cpu_offload=True))
+    if trainer.ranks.is_leader:
+        trainer.module.save_pretrained(out, state_dict=full)
+
+
+def _on_every_rank(trainer: Any, fn: Any, *args: Any) -> None:
+    if trainer.ranks is None:
+        fn(trainer, *args)
+    else:
+        trainer.ranks.call_all(trainer, fn, *args)
+
+
+def _write_shards(trainer: Any, tmp: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim = get_state_dict(trainer.model, trainer.optimizer)
+    with warnings.catch_warnings():  # one process without a process group is what we mean
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save({"model": model, "optim": optim}, checkpoint_id=Path(tmp) / "dcp")
+    export_pretrained(trainer, str(Path(tmp) / "model"))
+
+
+def _read_shards(trainer: Any, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optim = get_state_dict(trainer.model, trainer.optimizer)  # the shapes to fill
+    state = {"model": model, "optim": optim}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(state, checkpoint_id=Path(path) / "dcp")
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
+def _read_single_process(trainer: Any, path: Path) -> None:
+    """A checkpoint from before DCP: Hugging Face weights and a plain optimizer state dict."""
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(path / "model", dtype=torch.float32)
+    trainer.module.load_state_dict(saved.state_dict())
+    trainer.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
