@@ -14,7 +14,8 @@ Parts:
   mapping is kept across pushes, so no page is faulted in twice) and has the master publish
   it: the trainer's stall is one copy plus two round trips, whatever the chain length. A
   master on another machine is fed over the chain transport instead. If the master is dead,
-  the next live relay of the chain becomes master (`plan.choose_master`).
+  the next live relay of the chain becomes master (`plan.choose_master`). `push_parts` is the
+  same with the caller writing the bytes (each rank of a sharded trainer its own rows).
 - `Puller` / `PulledVersion`: hold the newest complete version of the local relay and hand out
   named tensors that are zero-copy views of shared memory, for
   `engine.load_weights(named, version)` or a copy into `model.state_dict()` (to a GPU: the
@@ -27,7 +28,7 @@ import mmap
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,19 +117,28 @@ class Pusher:
         without the caller. A dead master is replaced by the next live relay of the chain."""
         start = time.perf_counter()
         header, tensors = prepare_version(state_dict, version, self.cfg.chunk_bytes)
+        return self.push_parts(header, lambda data, path: write_version(data, header, tensors), start)
+
+    def push_parts(self, header: VersionHeader, fill: Callable[[memoryview, Path], None],
+                   start: float | None = None) -> PushResult:
+        """`push` of a version whose bytes the caller writes: `fill(data, path)` fills the flat
+        buffer `data` and sets `header.checksums`; `data` lies in the file `path` from
+        `header.data_offset` on, so other processes of this machine may write parts of it
+        (the ranks of a sharded trainer)."""
+        start = time.perf_counter() if start is None else start
         failed: list[str] = []
         while (master := self.master) is not None:
             info = self.plan.relays[master]
             try:
                 if info.node == self.node:
-                    self._push_local(info, header, tensors)
+                    self._push_local(info, header, fill)
                 else:
-                    self._push_remote(info, header, tensors)
-                return PushResult(version, master, time.perf_counter() - start, failed)
+                    self._push_remote(info, header, fill)
+                return PushResult(header.version, master, time.perf_counter() - start, failed)
             except LinkError:
                 self.dead.add(master)
                 failed.append(master)
-        raise RuntimeError(f"no live relay to push version {version} to; the chain "
+        raise RuntimeError(f"no live relay to push version {header.version} to; the chain "
                            f"{list(self.plan.order)} is all dead")
 
     def set_plan(self, plan: ChainPlan) -> None:
@@ -151,7 +161,8 @@ class Pusher:
                     raise
         raise AssertionError("unreachable")
 
-    def _push_local(self, info: RelayInfo, header: VersionHeader, tensors: list[torch.Tensor]) -> None:
+    def _push_local(self, info: RelayInfo, header: VersionHeader,
+                    fill: Callable[[memoryview, Path], None]) -> None:
         """Write straight into a slot the master reserved, then have it publish: one copy."""
         reply = self._request(info, "reserve", header=header.to_bytes().decode())
         path = Path(reply["slot"])
@@ -164,13 +175,14 @@ class Pusher:
             w = self._writers[path] = _SlotWriter(path)
         data = memoryview(w.mm)[header.data_offset:header.file_size]
         try:
-            write_version(data, header, tensors)
+            fill(data, path)
         finally:
             data.release()
         write_header(w.mm, header)
         self._request(info, "commit", version=header.version)
 
-    def _push_remote(self, info: RelayInfo, header: VersionHeader, tensors: list[torch.Tensor]) -> None:
+    def _push_remote(self, info: RelayInfo, header: VersionHeader,
+                     fill: Callable[[memoryview, Path], None]) -> None:
         """The master is on another machine: stage the version locally, feed it over the chain
         transport; returns once the master holds it."""
         if self._remote_store is None:
@@ -178,7 +190,7 @@ class Pusher:
         store = self._remote_store
         if store.get(header.version) is None:
             buf = store.create(header, header_final=False)
-            write_version(buf.data, header, tensors)
+            fill(buf.data, buf.path)
             store.finish(buf, header)
             store.publish(header.version)
         link = connect(self.transport, info.address, self.secret, ROLE_FEED)
