@@ -17,7 +17,9 @@ driver's own polls; `RolloutCounters` are cumulative):
   (the step rows' `kv_util_mean`); `kv_util_all` counts idle rollouts as 0;
 - `frac_admitting`, `frac_draining`, `frac_empty`: the share of (sample, rollout) pairs with
   trajectories in flight while admitting, with a tail while draining (what repack can move),
-  and with nothing in flight;
+  and with nothing in flight; `frac_admission_closed`: the share of samples at which the
+  prompt pool's outstanding groups (leased, in a tool call, in the buffer, untrained) were at
+  admission control's cap, so that no rollout could lease;
 - `traj_latency_avg_max`: mean and max over every trajectory of the run of the wall time from
   its first admission to its last token (moves included; `RolloutCounters.traj_latency_*`);
 - `repack_overhead_s`: the manager's time per repack (export, adopt, pool reassign, release:
@@ -25,6 +27,10 @@ driver's own polls; `RolloutCounters` are cumulative):
   (`reprefill_s`, the engine's token-share of the steps that re-prefilled);
 - `repacks`, `moved`: the manager's counters; `train_tokens_per_s`: the paper's training
   throughput (laminar/bench/modes.py `throughput`).
+
+`move_cost`: what one repack costs here whether or not the trigger fires in these runs: the
+same rollouts generating (no trainer, admission open) while the manager's `_move` moves a
+decoding rollout's trajectories to a same-version peer 10 times (3 with --quick).
 
 Reported: medians and min-max of each side, `gain` = the median of the paired ratios
 gen_tokens_per_s with / without (one pair per repeat) and its range, and the simulator's
@@ -45,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
 
 from laminar.bench.modes import WORKLOAD, throughput
 from laminar.config import Config, load_config
@@ -57,6 +64,7 @@ STEPS, QUICK_STEPS = 40, 12
 REPEATS, QUICK_REPEATS = 3, 1
 WARMUP = 3  # updates before the measurement window (the first batch's fill, actor start-up)
 SAMPLE_S = 0.25
+MOVES, QUICK_MOVES = 10, 3
 TARGETS = {"gain": 1.2, "latency_worse": 0.05}
 
 
@@ -68,11 +76,13 @@ def bench_config(repack: bool, steps: int, run_dir: Path, overrides: list[str] =
 
 class Sampler:
     """Every rollout's snapshot every `period_s`, in a thread: (time, {rollout: (generated
-    tokens, KV utilisation, trajectories in flight, draining)})."""
+    tokens, KV utilisation, trajectories in flight, draining)}), and the prompt pool's groups
+    outstanding (leased or untrained: what admission control counts) at the same moments."""
 
     def __init__(self, rt: Any, period_s: float = SAMPLE_S) -> None:
         self.rt, self.period_s = rt, period_s
         self.samples: list[tuple[float, dict[str, tuple[int, float, int, bool]]]] = []
+        self.outstanding: list[tuple[float, int]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="repack-sampler")
 
@@ -87,6 +97,7 @@ class Sampler:
     def _run(self) -> None:
         while not self.stop.wait(self.period_s):
             snaps = self.rt.snapshots()
+            self.outstanding.append((time.time(), ray.get(self.rt.pools["prompts"].outstanding.remote())))
             self.samples.append((time.time(), {w: (s.counters.generated_tokens, s.kv_utilization,
                                                    s.num_in_flight, s.draining)
                                                for w, s in snaps.items()}))
@@ -126,7 +137,8 @@ def run_once(cfg: Config) -> dict[str, Any]:
     model_dir, version = start_weights(cfg)
     load_before = os.getloadavg()
     t_start = time.perf_counter()
-    with open_runtime(cfg, model_dir, version, schedule("laminar").policy(cfg)) as rt:
+    policy = schedule("laminar").policy(cfg)
+    with open_runtime(cfg, model_dir, version, policy) as rt:
         with Sampler(rt) as sampler:
             follower = Follower(rt)
             follower.follow(lambda: rt.train("run"))
@@ -136,14 +148,17 @@ def run_once(cfg: Config) -> dict[str, Any]:
     rows = read_metrics(cfg.resolved_run_dir)
     if len(rows) <= WARMUP + 1:
         raise RuntimeError(f"{len(rows)} updates: too few for a window after {WARMUP} of warm-up")
-    rates = window_rates(sampler.samples, started_at + rows[WARMUP]["time"],
-                         started_at + rows[-1]["time"])
+    t0, t1 = started_at + rows[WARMUP]["time"], started_at + rows[-1]["time"]
+    rates = window_rates(sampler.samples, t0, t1)
+    closed = [n >= policy.max_outstanding for t, n in sampler.outstanding if t0 <= t <= t1]
     c = [s.counters for s in final.values()]
     timed = sum(x.traj_timed for x in c)
     manager = report["manager"]
     repacks = manager["repacks"]
     return {
         **rates,
+        "frac_admission_closed": sum(closed) / len(closed) if closed else None,
+        "admission_cap_groups": policy.max_outstanding,
         "train_tokens_per_s": throughput(rows),
         "traj_latency_avg_s": sum(x.traj_latency_sum_s for x in c) / timed if timed else None,
         "traj_latency_max_s": max((x.traj_latency_max_s for x in c), default=None),
@@ -192,11 +207,12 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     }
     for key in ("gen_tokens_per_s", "kv_util", "kv_util_all", "train_tokens_per_s",
                 "traj_latency_avg_s", "traj_latency_max_s", "repacks", "moved", "frac_admitting",
-                "frac_draining", "frac_empty"):
+                "frac_draining", "frac_empty", "frac_admission_closed"):
         out.setdefault("range", {})[key] = {"with": rng(w, key), "without": rng(wo, key)}
     out["train_tokens_per_s_with"] = med(w, "train_tokens_per_s")
     out["train_tokens_per_s_without"] = med(wo, "train_tokens_per_s")
-    for key in ("kv_util_all", "frac_admitting", "frac_draining", "frac_empty"):
+    for key in ("kv_util_all", "frac_admitting", "frac_draining", "frac_empty",
+                "frac_admission_closed"):
         out[f"{key}_with"], out[f"{key}_without"] = med(w, key), med(wo, key)
     lat_w, lat_wo = out["traj_latency_avg_max_with"][0], out["traj_latency_avg_max_without"][0]
     out["targets"] = {
@@ -206,6 +222,62 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                                        and lat_w <= (1 + TARGETS["latency_worse"]) * lat_wo),
     }
     return out
+
+
+# ------------------------------------------------------------------------- one move's cost
+
+def move_cost(overrides: list[str], moves: int, root: Path) -> dict[str, Any]:
+    """What one repack costs on this machine, whether or not the trigger fires: the
+    benchmark's rollouts generate (no trainer, admission open) and the manager's own `_move`
+    moves a decoding rollout's trajectories to a same-version peer `moves` times. Per move:
+    the manager's wall time (export, adopt, pool reassign, release), the trajectories moved,
+    and the destinations' re-prefill tokens and seconds (engine counters, summed at the end)."""
+    from laminar.manager.actor import RayFleet, RayManagerPools
+    from laminar.manager.manager import RolloutManager
+    from laminar.modes import schedule
+    from laminar.modes.common import start_weights
+    from laminar.runtime import open_runtime
+
+    cfg = load_config(None, REPACK_WORKLOAD + list(overrides) + [
+        "manager.repack=false", "rollout.max_outstanding_batches=1000", f"run_dir={root}",
+        "name=bench-repack-moves"])
+    model_dir, version = start_weights(cfg)
+    timeout = cfg.cluster.wait_timeout_s
+    load_before = os.getloadavg()
+    with open_runtime(cfg, model_dir, version, schedule("laminar").policy(cfg)) as rt:
+        m = RolloutManager(cfg, RayFleet(rt.workers, rt.rollout_spec, timeout),
+                           RayManagerPools(rt.pools, timeout), None,
+                           dict(rt.placement.worker_relay), False, False)
+        per_move, moved = [], []
+        deadline = time.monotonic() + timeout
+        while len(per_move) < moves and time.monotonic() < deadline:
+            snaps = rt.snapshots()
+            busy = sorted(snaps, key=lambda w: snaps[w].num_in_flight)
+            src = next((w for w in busy if snaps[w].num_in_flight), None)
+            dst = next((w for w in reversed(busy) if w != src and src is not None
+                        and snaps[w].version == snaps[src].version), None)
+            if src is None or dst is None:
+                time.sleep(0.05)
+                continue
+            before = dict(m.counters)
+            m._move(src, dst)
+            if m.counters["repacks"] > before["repacks"]:
+                per_move.append(m.counters["repack_s"] - before["repack_s"])
+                moved.append(m.counters["moved_trajectories"] - before["moved_trajectories"])
+            time.sleep(0.2)  # let the destination re-prefill before the next move
+        time.sleep(1.0)
+        final = rt.snapshots()
+    if not per_move:
+        raise RuntimeError("no move happened: no rollout had trajectories in flight")
+    tokens = sum(s.counters.reprefill_tokens for s in final.values())
+    seconds = sum(s.counters.reprefill_s for s in final.values())
+    return {"moves": len(per_move), "per_move_s_median": float(np.median(per_move)),
+            "per_move_s_range": [min(per_move), max(per_move)],
+            "moved_per_move_median": float(np.median(moved)),
+            "reprefill_tokens_per_move": tokens / len(per_move),
+            "reprefill_s_per_move": seconds / len(per_move),
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()]}
 
 
 # ------------------------------------------------------------------------- the simulator
@@ -248,8 +320,6 @@ def simulate(curve_ms: dict[str, float], check_s: float, quick: bool) -> dict[st
 
 def main(quick: bool = False, out: str | None = None, repeats: int | None = None,
          steps: int | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
-    import ray
-
     from laminar.bench.provenance import provenance
     from laminar.engine.knee import cached_knee
 
@@ -280,10 +350,13 @@ def main(quick: bool = False, out: str | None = None, repeats: int | None = None
                       f"{res['train_tokens_per_s']:.0f} tok/s, {res['repacks']} repacks moving "
                       f"{res['moved']}; load {res['load_average_before'][0]} -> "
                       f"{res['load_average_after'][0]}", flush=True)
+        n = QUICK_MOVES if quick else MOVES
+        print(f"bench repack: the cost of {n} forced moves between live rollouts ...", flush=True)
+        moves = move_cost(overrides, n, root / "moves")
     finally:
         ray.shutdown()
     report = {"workload": REPACK_WORKLOAD + overrides, "steps": steps, "repeats": repeats,
-              "warmup_steps": WARMUP, "quick": quick, **summarize(runs),
+              "warmup_steps": WARMUP, "quick": quick, **summarize(runs), "move_cost": moves,
               "decode_curve_ms": knee["curve_ms"], "batch_bound_knee": knee["knee"],
               "simulator": simulate(knee["curve_ms"], probe.manager.interval_s, quick), "runs": runs, "provenance": prov}
     print_report(report)
@@ -312,10 +385,16 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"rollout time (with / without): admitting {f(r['frac_admitting_with'])} / "
           f"{f(r['frac_admitting_without'])}, draining a tail {f(r['frac_draining_with'])} / "
           f"{f(r['frac_draining_without'])}, nothing in flight {f(r['frac_empty_with'])} / "
-          f"{f(r['frac_empty_without'])}")
+          f"{f(r['frac_empty_without'])}; admission closed (prompt pool at its cap) "
+          f"{f(r['frac_admission_closed_with'])} / {f(r['frac_admission_closed_without'])}")
     print(f"repacks {f(r['repacks'], '.0f')} moving {f(r['moved'], '.0f')} trajectories (medians); "
           f"{f(r['repack_overhead_s'])} s per repack, re-prefill {f(r['reprefill_s_per_repack'], '.4f')} s")
     print(f"targets: {r['targets']}")
+    mc = r["move_cost"]
+    print(f"a forced move ({mc['moves']} moves between live rollouts, no trainer): "
+          f"{mc['per_move_s_median']:.3f} s ({mc['per_move_s_range'][0]:.3f}-"
+          f"{mc['per_move_s_range'][1]:.3f}), {mc['moved_per_move_median']:.0f} trajectories, "
+          f"re-prefill {mc['reprefill_tokens_per_move']:.0f} tokens in {mc['reprefill_s_per_move']:.4f} s")
     s = r["simulator"]
     print(f"simulator, this machine's curve: gain {s['this_machine']['gain']:.3f} "
           f"({s['this_machine']['with']['repacks']} repacks); the paper's Table 1 setting on "
