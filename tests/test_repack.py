@@ -133,7 +133,9 @@ def test_the_lifecycle_of_fig_9_from_two_checks():
     prev = KvSample(version=0, kv_used_tokens=400)
     assert kv_phase(None, snap(), 0.99) == "ramp_up"  # first sight: filling
     assert kv_phase(KvSample(1, 900), snap(), 0.99) == "ramp_up"  # new weights: a fresh fill
-    assert kv_phase(prev, snap(kv=500), 0.99) == "ramp_up"
+    assert kv_phase(prev, snap(kv=500, draining=False), 0.99) == "ramp_up"  # filling
+    assert kv_phase(prev, snap(kv=500, waiting=1), 0.99) == "ramp_up"  # from the engine's queue
+    assert kv_phase(prev, snap(kv=500), 0.99) == "plateau"  # admits nothing; its tails grow
     assert kv_phase(prev, snap(kv=400), 0.99) == "plateau"  # flat
     # KV fell, but what finished is refilled: from the engine's queue, or by a schedule still
     # admitting (a rollout topping up saws below its cap)

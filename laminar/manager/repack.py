@@ -9,10 +9,11 @@ Parts:
 - `KvSample`: what the rollout manager remembers of a rollout from its previous check (weights
   version, KV tokens): C_prev.
 - `kv_phase`: where a rollout is in Fig. 9's lifecycle, from two consecutive checks.
-  **ramp-up**: no earlier sample with these weights (a fresh fill), or its KV rose.
-  **plateau**: its KV did not fall, or it is full (at C_max), or what finishes is refilled:
-  trajectories wait in its engine, or its schedule still admits (a rollout topping up refills
-  a group at a time, so its KV saws up and down below its cap; that is its plateau).
+  **ramp-up**: no earlier sample with these weights (a fresh fill), or its KV rose while it
+  admits. **plateau**: its KV did not fall (also a drained rollout whose tails still grow), or
+  it is full (at C_max), or what finishes is refilled: trajectories wait in its engine, or its
+  schedule still admits (a rollout topping up refills a group at a time, so its KV saws up and
+  down below its cap; that is its plateau).
   **decline**: its KV fell since the previous check, below C_max, with nothing waiting and
   nothing more admitted (§5.2: usage falls "only when no waiting trajectories are left and
   the running ones complete"; from then on the rollout is idle).
@@ -71,10 +72,12 @@ class RolloutLoad:
 
 def kv_phase(prev: KvSample | None, s: RolloutSnapshot, c_max: float) -> Phase:
     """Where `s` is in its lifecycle (Fig. 9), given the previous check's sample."""
-    if prev is None or prev.version != s.version or s.kv_used_tokens > prev.kv_used_tokens:
-        return "ramp_up"
     refilled = s.num_waiting > 0 or not s.draining
-    if s.kv_used_tokens == prev.kv_used_tokens or s.kv_utilization >= c_max or refilled:
+    if prev is None or prev.version != s.version:
+        return "ramp_up"  # a fresh fill with these weights
+    if s.kv_used_tokens > prev.kv_used_tokens and refilled:
+        return "ramp_up"
+    if s.kv_used_tokens >= prev.kv_used_tokens or s.kv_utilization >= c_max or refilled:
         return "plateau"
     return "decline"
 
