@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -17,6 +19,7 @@ import torch
 from laminar.config import Config
 from laminar.relay.client import Pusher
 from laminar.relay.plan import ChainPlan
+from laminar.relay.version import VersionHeader
 from laminar.trainer.service import TrainerService
 from laminar.types import Trajectory
 
@@ -55,6 +58,9 @@ class RelayPush:
 
     def push(self, named: dict[str, torch.Tensor], version: int) -> float:
         return self.pusher.push(named, version).seconds
+
+    def push_parts(self, header: VersionHeader, fill: Callable[[memoryview, Path], None]) -> float:
+        return self.pusher.push_parts(header, fill).seconds
 
 
 class TrainerActor(TrainerService):

@@ -70,17 +70,25 @@ def load(trainer: Any, path: Path) -> dict[str, Any]:
 
 
 def export_pretrained(trainer: Any, out: str) -> None:
-    """Every rank: gather the full weights (FSDP shards: one collective per tensor), and rank 0
-    writes them with `save_pretrained` into `out` (no tokenizer)."""
+    """Every rank: gather the full weights, and rank 0 writes them with `save_pretrained` into
+    `out` (no tokenizer)."""
     if trainer.ranks is None:
         trainer.module.save_pretrained(out)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True,
-                                                                         cpu_offload=True))
+    full = full_state_dict(trainer)
     if trainer.ranks.is_leader:
         trainer.module.save_pretrained(out, state_dict=full)
+
+
+def full_state_dict(trainer: Any) -> dict[str, torch.Tensor]:
+    """Every rank: the model's whole state dict gathered on rank 0, in CPU memory (one
+    collective per tensor); the other ranks get an empty dict."""
+    if trainer.ranks is None:
+        return {k: v.detach() for k, v in trainer.module.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True,
+                                                                         cpu_offload=True))
 
 
 def _on_every_rank(trainer: Any, fn: Any, *args: Any) -> None:

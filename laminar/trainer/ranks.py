@@ -148,6 +148,58 @@ def follow(target: Any, ranks: Ranks) -> None:
         ranks._gather(fn(target, *args))
 
 
+def spawn_ranks(world_size: int, main: Callable[..., Any], *args: Any, threads: int = 1,
+                timeout_s: float = 600.0) -> Any:
+    """Run `main(ranks, *args)` in `world_size` fresh local processes forming one group (no
+    Ray: tests and `laminar bench trainer`); returns rank 0's answer, after which the group is
+    stopped. `main` must be importable (a module-level function); on ranks 1..N-1 it ends in
+    `follow`."""
+    import multiprocessing as mp
+    import queue
+
+    host = "127.0.0.1"
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    ctx = mp.get_context("spawn")
+    answers = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, host, store.port, threads, timeout_s,
+                                                  answers, main, args), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        rank, ok, value = answers.get(timeout=timeout_s)
+    except queue.Empty:
+        raise TimeoutError(f"{world_size} local trainer ranks gave no answer within {timeout_s:.0f}s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if not ok:
+        raise RuntimeError(f"trainer rank {rank} failed:\n{value}")
+    import pickle
+
+    return pickle.loads(value)
+
+
+def _rank_main(rank: int, world_size: int, host: str, port: int, threads: int, timeout_s: float,
+               answers: Any, main: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    import pickle
+    import traceback
+
+    torch.set_num_threads(threads)
+    try:
+        ranks = Ranks.join(None, rank, world_size, timeout_s, host, port)
+        value = main(ranks, *args)
+        if rank == 0:
+            ranks.stop()
+            answers.put((rank, True, pickle.dumps(value)))  # by value: this process ends now
+    except BaseException:
+        answers.put((rank, False, traceback.format_exc()))
+        raise
+
+
 # --------------------------------------------------------------------------------------- pure
 
 

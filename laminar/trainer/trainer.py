@@ -284,14 +284,15 @@ class Trainer:
         """One process: the weights to publish, a detached view of every parameter (no copy)."""
         return {name: p.detach() for name, p in self.module.named_parameters()}
 
-    def push(self, sink: Any, version: int) -> float:
+    def push(self, sink: Any, version: int, chunk_bytes: int) -> float:
         """Publish the current weights as `version` through `sink` (a `WeightSink`); returns
-        the stall in seconds. With ranks every rank writes its own shard (shards.py)."""
+        the stall in seconds. With ranks every rank writes its own rows (shards.py) into
+        a version of `chunk_bytes` chunks."""
         if self.ranks is None:
             return sink.push(self.named_weights(), version)
         from laminar.trainer.shards import push_from_shards
 
-        return push_from_shards(self, sink, version)
+        return push_from_shards(self, sink, version, chunk_bytes)
 
     def save_checkpoint(self, path: str | Path, tokenizer: PreTrainedTokenizerBase,
                         extra: dict[str, Any] | None = None) -> Path:
