@@ -45,6 +45,7 @@ class ClusterRuntime:
         self.relays = None
         self.workers: dict[str, Any] = {}
         self.trainer = self.manager = None
+        self.trainer_group = None  # the trainer ranks' placement group (trainer.world_size > 1)
         self.pools: dict[str, Any] = {}
         self.eval_turn = -1  # request_eval: whose turn it is
         self.head: str | None = None  # the driver's Ray node on a real cluster
@@ -73,7 +74,7 @@ class ClusterRuntime:
         from laminar.pools.prompts import PromptPool, PromptSampler
         from laminar.runtime.relays import RelayGroup
         from laminar.tasks import build_task
-        from laminar.trainer.actor import TrainerActor
+        from laminar.trainer.actor import TrainerActor, start_trainer_group
 
         cfg = self.cfg
         secret = (os.environ.get(cfg.relay.secret_env) or secrets.token_hex(16)).encode()
@@ -109,12 +110,17 @@ class ClusterRuntime:
                 for k, (r, n) in enumerate(self.placement.relay_node.items())), flush=True)
         for wid in self.placement.worker_relay:
             self.workers[wid] = self._start_rollout(wid)
-        trainer_opts = ({"resources": dict(cfg.cluster.trainer_resources)}
-                        if cfg.cluster.trainer_resources else self._pin(self.head))
-        self.trainer = ray.remote(TrainerActor).options(
-            **THREADED, **trainer_opts, name=self.names["trainer"],
-            max_restarts=cfg.trainer.max_restarts).remote(
-            cfg, self.model_dir, self.relays.plan.to_dict(), secret, self.names)
+        if cfg.trainer.world_size > 1:  # ranks in a placement group; rank 0 starts the others
+            self.trainer, self.trainer_group = start_trainer_group(
+                cfg, self.model_dir, self.model_source, self.relays.plan.to_dict(), secret,
+                self.names, self.node_ips.get(self.head or ""))
+        else:
+            trainer_opts = ({"resources": dict(cfg.cluster.trainer_resources)}
+                            if cfg.cluster.trainer_resources else self._pin(self.head))
+            self.trainer = ray.remote(TrainerActor).options(
+                **THREADED, **trainer_opts, name=self.names["trainer"],
+                max_restarts=cfg.trainer.max_restarts).remote(
+                cfg, self.model_dir, self.relays.plan.to_dict(), secret, self.names)
         repack = cfg.manager.repack and self.policy.repacks
         self.manager = ray.remote(ManagerActor).options(**THREADED, **self._pin(self.head)).remote(
             cfg, self.workers, dict(self.placement.worker_relay), self.pools, self.relays,
@@ -498,3 +504,6 @@ class ClusterRuntime:
             if handle is not None:
                 ray.kill(handle, no_restart=True)
         self.workers = {}
+        if self.trainer_group is not None:  # the ranks' reserved resources
+            ray.util.remove_placement_group(self.trainer_group)
+            self.trainer_group = None

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from laminar.config import Config
+from laminar.config import Config, ConfigError
 from laminar.engine import build_engine
 from laminar.models import load_pretrained
 from laminar.models.tokenizer import encode_prompt
@@ -85,6 +85,10 @@ class Done:
 
 class LocalRuntime:
     def __init__(self, cfg: Config, model_dir: str, start_version: int, policy: Policy) -> None:
+        if cfg.trainer.world_size > 1:
+            raise ConfigError(f"trainer.world_size={cfg.trainer.world_size}: cluster.backend=local "
+                              "runs one trainer in this process; set cluster.backend=ray for "
+                              "several ranks, or trainer.world_size=1")
         self.cfg, self.model_dir, self.start_version, self.policy = cfg, model_dir, start_version, policy
 
     def __enter__(self) -> "LocalRuntime":

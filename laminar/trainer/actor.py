@@ -1,27 +1,44 @@
-"""The trainer as a Ray actor: `TrainerService` with the pool actors and the relay pusher.
+"""The trainer as Ray actors: `TrainerService` with the pool actors and the relay pusher.
 
-The runtime starts it with `max_restarts`: a trainer process that dies is started again by Ray
-with the same arguments, finds the pools by name (a restarted actor must not hold other
-actors' handles in its constructor arguments), and recovers from the run's newest checkpoint.
+    handle, group = start_trainer_group(cfg, ...)   # trainer.world_size > 1 (the runtime)
+
+The runtime starts `TrainerActor` with `max_restarts`: a trainer process that dies is started
+again by Ray with the same arguments, finds the pools by name (a restarted actor must not hold
+other actors' handles in its constructor arguments), and recovers from the run's newest
+checkpoint.
+
+With trainer.world_size = N, `TrainerActor` is rank 0 and the only trainer the rest of the
+system talks to. `start_trainer_group` checks that N ranks fit the cluster and reserves a
+placement group (one bundle per rank, spread over nodes where possible, rank 0's on the
+driver's node); rank 0 starts ranks 1..N-1 (`TrainerRank`, owned by it, so they die with it)
+in the other bundles, and they form the process group (laminar/trainer/ranks.py). A rank that
+dies makes the group's next collective fail: rank 0 then exits, so Ray restarts it, and the
+new rank 0 starts a new group from the newest checkpoint; the driver sees `TrainerRestarted`
+as for a one-process trainer.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 
-from laminar.config import Config
+from laminar.config import Config, ConfigError
 from laminar.relay.client import Pusher
 from laminar.relay.plan import ChainPlan
 from laminar.relay.version import VersionHeader
+from laminar.trainer.ranks import RankLost, Ranks, fit_problem, follow, rank_bundles, rendezvous
 from laminar.trainer.service import TrainerService
 from laminar.types import Trajectory
+
+log = logging.getLogger("laminar.trainer")
 
 
 class RayTrainerData:
@@ -65,17 +82,149 @@ class RelayPush:
 
 class TrainerActor(TrainerService):
     def __init__(self, cfg: Config, model_dir: str, plan: dict[str, Any], secret: bytes,
-                 pool_names: dict[str, str]) -> None:
+                 pool_names: dict[str, str], group: dict[str, Any] | None = None) -> None:
+        """`group` (world size > 1): {"pg": the placement group, "model": the starting model
+        as ranks on other nodes get it (a path or a shipping.ShippedDir)}."""
         self.pusher = Pusher(ChainPlan.from_dict(plan), secret, cfg.relay)
         with warnings.catch_warnings():  # Ray's own property trips its deprecation warning
             warnings.simplefilter("ignore")
             restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        ranks, self.ranks_started = None, []
+        if group is not None:
+            ranks = self._start_group(cfg, group)
         super().__init__(cfg, model_dir, RayTrainerData(pool_names, cfg.cluster.wait_timeout_s),
-                         RelayPush(self.pusher), restarted)
+                         RelayPush(self.pusher), restarted, ranks)
+        # every rank built its shard of the model: they answer with their process ids
+        self.rank_pids = [os.getpid()] + ray.get(self.ranks_started, timeout=cfg.cluster.wait_timeout_s)
+
+    def _start_group(self, cfg: Config, group: dict[str, Any]) -> Ranks:
+        """Start ranks 1..N-1 in the placement group's other bundles and join them. A rank that
+        fails to start is an error naming it, not a wait for the rendezvous timeout."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        n, timeout = cfg.trainer.world_size, cfg.cluster.wait_timeout_s
+        host = ray.util.get_node_ip_address()
+        store = rendezvous(host, timeout)
+        self.followers = [
+            ray.remote(TrainerRank).options(
+                **actor_resources(group["bundles"][r]), scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group["pg"], placement_group_bundle_index=r)).remote(cfg, group["model"], r)
+            for r in range(1, n)]
+        self.ranks_started = [f.start.remote(host, store.port) for f in self.followers]
+        self.following = [f.run.remote() for f in self.followers]  # after start: one call at a time
+        watch = {ref: (r, "start") for r, ref in enumerate(self.ranks_started, 1)}
+        watch |= {ref: (r, "run") for r, ref in enumerate(self.following, 1)}
+        with ThreadPoolExecutor(1) as pool:
+            joining = pool.submit(Ranks.join, store, 0, n, timeout)
+            while not joining.done():
+                done, _ = ray.wait(list(watch), timeout=0.2)
+                for ref in done:
+                    rank, what = watch.pop(ref)
+                    try:
+                        ray.get(ref)
+                    except ray.exceptions.RayError as e:
+                        raise RuntimeError(f"trainer rank {rank} failed to start: {e}") from None
+                    if what == "run":
+                        raise RuntimeError(f"trainer rank {rank} stopped before the group formed")
+            return joining.result()
+
+    def _or_restart(self, call: Callable[[], Any]) -> Any:
+        """A rank died (or one rank's step failed with the others inside a collective): the
+        group is gone, so this process exits and Ray starts the trainer group again."""
+        try:
+            return call()
+        except RankLost:
+            log.exception("the trainer group lost a rank; restarting it from the newest checkpoint")
+            os._exit(1)
+
+    def train_once(self) -> dict[str, Any]:
+        return self._or_restart(super().train_once)
+
+    def train_streaming(self) -> dict[str, Any]:
+        return self._or_restart(super().train_streaming)
+
+    def train_next(self) -> dict[str, Any]:
+        return self._or_restart(super().train_next)
+
+    def run(self, total_steps: int) -> int:
+        return self._or_restart(lambda: super(TrainerActor, self).run(total_steps))
 
     def pid(self) -> int:
         return os.getpid()
 
+    def pids(self) -> list[int]:
+        """Process ids of the trainer's ranks, rank 0 first."""
+        return self.rank_pids
+
     def set_plan(self, plan: dict[str, Any]) -> None:
         """The relay chain changed (the manager repaired it)."""
         self.pusher.set_plan(ChainPlan.from_dict(plan))
+
+
+class TrainerRank:
+    """Rank 1..N-1 of the trainer group: its shard of the model and optimizer, and `follow`
+    (whatever rank 0 calls, it runs too)."""
+
+    def __init__(self, cfg: Config, model: Any, rank: int) -> None:
+        self.cfg, self.model_source, self.rank = cfg, model, rank
+
+    def start(self, host: str, port: int) -> int:
+        from laminar.models import load_pretrained
+        from laminar.runtime.shipping import materialize
+        from laminar.trainer.trainer import Trainer
+
+        cfg = self.cfg
+        torch.set_num_threads(cfg.trainer.threads)
+        torch.manual_seed(cfg.trainer.seed)
+        self.ranks = Ranks.join(None, self.rank, cfg.trainer.world_size, cfg.cluster.wait_timeout_s,
+                                host, port)
+        model, tokenizer = load_pretrained(materialize(self.model_source), cfg.model.attn_implementation)
+        self.trainer = Trainer(model, cfg.trainer, tokenizer.pad_token_id, cfg.rollout.temperature,
+                               self.ranks)
+        return os.getpid()
+
+    def run(self) -> None:
+        try:
+            follow(self.trainer, self.ranks)
+        except BaseException:  # rank 0 must learn at once, not at a collective's timeout
+            log.exception("trainer rank %d failed", self.rank)
+            os._exit(1)
+
+
+def start_trainer_group(cfg: Config, model_dir: str, model_source: Any, plan: dict[str, Any],
+                        secret: bytes, names: dict[str, str], head_ip: str | None) -> tuple[Any, Any]:
+    """trainer.world_size > 1: reserve a placement group for the ranks (a ConfigError when
+    they cannot fit the cluster) and start rank 0 in its first bundle. Returns (rank 0's
+    handle, the placement group; remove it when the job ends)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    n = cfg.trainer.world_size
+    bundles = rank_bundles(n, cfg.trainer.threads, cfg.cluster.trainer_resources, head_ip)
+    nodes = {node["NodeManagerAddress"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
+    problem = fit_problem(bundles, nodes)
+    if problem is None:
+        pg = placement_group(bundles, strategy="SPREAD", name=f"{names['trainer']}-ranks")
+        if pg.wait(timeout_seconds=int(cfg.cluster.wait_timeout_s)):
+            handle = ray.remote(TrainerActor).options(
+                max_concurrency=8, **actor_resources(bundles[0]), name=names["trainer"],
+                max_restarts=cfg.trainer.max_restarts,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            ).remote(cfg, model_dir, plan, secret, names, {"pg": pg, "model": model_source,
+                                                         "bundles": bundles})
+            return handle, pg
+        remove_placement_group(pg)
+        problem = (f"the cluster has room for them in all, but they could not be placed within "
+                   f"cluster.wait_timeout_s={cfg.cluster.wait_timeout_s:g}s (other jobs hold the "
+                   "resources?)")
+    fix = ("lower trainer.world_size or trainer.threads, or add nodes" if cfg.cluster.address else
+           f"lower trainer.world_size or trainer.threads, or raise cluster.num_cpus (the embedded "
+           f"cluster has {cfg.cluster.num_cpus or os.cpu_count()} CPUs)")
+    raise ConfigError(f"trainer.world_size={n}: {problem}; {fix}")
+
+
+def actor_resources(bundle: dict[str, float]) -> dict[str, Any]:
+    """Ray actor options that take a placement-group bundle's resources (not its node pin)."""
+    custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU") and not k.startswith("node:")}
+    return {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0),
+            **({"resources": custom} if custom else {})}

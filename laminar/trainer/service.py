@@ -13,7 +13,10 @@ time, each as soon as its groups are complete. The free-running schedules call `
 
 The Ray actor (laminar/trainer/actor.py) gives it the pool actors and the relay pusher; the
 one-process runtime gives it the pools themselves and a `WeightBoard`. A restarted trainer
-(`restarted=True`) recovers from the newest checkpoint of the run (`_recover`).
+(`restarted=True`) recovers from the newest checkpoint of the run (`_recover`). With
+trainer.world_size > 1 this is rank 0 of the trainer group: the update, the checkpoint and the
+push run on every rank (laminar/trainer/trainer.py drives them); the data, the metrics and
+the audit trail stay here.
 
 Throughput is the paper's: (prompt + response tokens of the global batch) / (time between two
 consecutive updates).
@@ -26,6 +29,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,6 +38,8 @@ import torch
 from laminar.config import Config, RunStopped
 from laminar.metrics import set_aside, summarize
 from laminar.models import load_pretrained
+from laminar.relay.version import VersionHeader
+from laminar.trainer.ranks import Ranks
 from laminar.trainer.trainer import NonFiniteTraining, Trainer
 from laminar.types import Trajectory
 
@@ -90,15 +96,22 @@ class WeightSink(Protocol):
     def push(self, named: dict[str, torch.Tensor], version: int) -> float:
         """Publish `version`; returns the trainer's stall in seconds."""
 
+    def push_parts(self, header: VersionHeader, fill: Callable[[memoryview, Path], None]) -> float:
+        """Publish `header.version`, whose bytes `fill(data, path)` writes (the ranks of a
+        sharded trainer, laminar/trainer/shards.py); returns the stall in seconds."""
+
 
 class TrainerService:
     def __init__(self, cfg: Config, model_dir: str, data: TrainerData, weights: WeightSink,
-                 restarted: bool = False) -> None:
+                 restarted: bool = False, ranks: Ranks | None = None) -> None:
+        """`ranks`: this is rank 0 of a trainer group (trainer.world_size > 1) whose other
+        ranks follow it (laminar/trainer/ranks.py)."""
         torch.set_num_threads(cfg.trainer.threads)
         torch.manual_seed(cfg.trainer.seed)
         self.cfg = cfg
         model, self.tokenizer = load_pretrained(model_dir, cfg.model.attn_implementation)
-        self.trainer = Trainer(model, cfg.trainer, self.tokenizer.pad_token_id, cfg.rollout.temperature)
+        self.trainer = Trainer(model, cfg.trainer, self.tokenizer.pad_token_id,
+                               cfg.rollout.temperature, ranks)
         self.data, self.weights = data, weights
         self.steps = 0  # updates in this model's lineage: what trainer.total_steps counts
         if cfg.trainer.resume:  # a new run from another run's checkpoint
@@ -122,7 +135,7 @@ class TrainerService:
 
     def publish(self) -> float:
         """Publish the current weights; returns the stall in seconds."""
-        stall = self.weights.push(self.trainer.named_weights(), self.trainer.version)
+        stall = self.trainer.push(self.weights, self.trainer.version, self.cfg.relay.chunk_bytes)
         tmp = self._state_file.with_suffix(".tmp")  # atomic: a kill never leaves half a file
         tmp.write_text(json.dumps({"published": self.trainer.version}))
         os.replace(tmp, self._state_file)

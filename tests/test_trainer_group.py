@@ -1,0 +1,90 @@
+"""The trainer group on a real Ray cluster: `laminar train` with two trainer ranks (the
+process group, placement group, shard push to the master relay and sharded checkpoints all
+real), a killed rank restarting the group, and the errors a user can make."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections import Counter
+
+import pytest
+import ray
+
+from laminar.config import ConfigError, load_config
+from laminar.metrics import read_metrics
+from laminar.modes import run_training
+from test_faults import TINY as FAULTS_TINY
+from test_faults import _check_lineage, _runtime, _wait, _wait_version
+from test_runtime import TINY
+
+TWO = ["trainer.world_size=2", "trainer.threads=1"]
+
+
+def test_laminar_train_with_two_trainer_ranks(tmp_path, ray_cluster):
+    cfg = load_config(None, TINY + TWO + ["mode=laminar", f"run_dir={tmp_path}",
+                                          "trainer.checkpoint_every=2"])
+    report = run_training(cfg)
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["push_stall_s"] > 0 and r["loss"] == r["loss"] for r in rows)  # pushed; not NaN
+    assert report["exactly_once"]["ok"]
+    trained = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    assert set(Counter(t["group_id"] for t in trained).values()) == {2}
+    assert len(trained) == 3 * 4 * 2
+    for step in (2, 3):  # sharded checkpoints with their Hugging Face export
+        ckpt = tmp_path / "checkpoints" / f"step_{step:06d}"
+        assert (ckpt / "dcp" / ".metadata").is_file() and (ckpt / "model" / "model.safetensors").is_file()
+    assert report["heldout_last"]["version"] >= 3  # a rollout evaluated a version the ranks pushed
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_the_trainer_group_from_its_checkpoint(tmp_path, ray_cluster):
+    """SIGKILL rank 1 after the checkpoint of update 2: rank 0's next collective fails, it
+    exits, Ray starts it again, and the new group loads the checkpoint (at world size 2) and
+    trains on; the lineage holds every group once."""
+    from laminar.modes.driver import Follower, finish
+
+    cfg = load_config(None, FAULTS_TINY + TWO + [f"run_dir={tmp_path}", "trainer.total_steps=6",
+                                                 "trainer.checkpoint_every=2"])
+    with _runtime(cfg) as rt:
+        training = rt.train("run")
+        follower = Follower(rt)
+        rank0, rank1 = ray.get(rt.trainer.pids.remote())
+        _wait_version(rt, 3)
+        os.kill(rank1, signal.SIGKILL)
+        steps = follower.follow(lambda: rt.train("run"), started=training)
+        pids = _wait("the new trainer group", lambda: _pids(rt))
+        report = finish(rt, follower)
+    assert steps == cfg.trainer.total_steps
+    assert rank0 not in pids and rank1 not in pids and len(pids) == 2
+    [mark] = _check_lineage(cfg, report, steps)
+    assert mark["resumed_at"] >= 2 and mark["resumed_at"] % cfg.trainer.checkpoint_every == 0
+
+
+def _pids(rt):
+    try:
+        return ray.get(rt.trainer.pids.remote(), timeout=30)
+    except ray.exceptions.RayActorError:
+        return None
+
+
+def test_a_world_size_the_cluster_cannot_hold_is_one_clear_error(tmp_path, ray_cluster):
+    cpus = int(ray.cluster_resources()["CPU"])
+    cfg = load_config(None, TINY + [f"run_dir={tmp_path}", f"trainer.world_size={cpus + 1}",
+                                    "trainer.threads=1"])
+    with pytest.raises(ConfigError) as e:
+        run_training(cfg)
+    message = str(e.value)
+    assert f"trainer.world_size={cpus + 1}: {cpus + 1} trainer ranks of {{CPU: 1}} each do not " \
+           f"fit: only {cpus} can be placed" in message
+    assert "lower trainer.world_size or trainer.threads" in message
+    assert not ray.util.placement_group_table() or all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+def test_the_one_process_backend_refuses_several_ranks():
+    with pytest.raises(ConfigError, match=r"trainer.world_size=2 starts one trainer process per "
+                                          r"rank, which needs cluster.backend=ray"):
+        load_config(None, ["trainer.world_size=2", "cluster.backend=local"])
