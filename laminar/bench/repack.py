@@ -26,7 +26,8 @@ driver's own polls; `RolloutCounters` are cumulative):
   `repack_s / repacks`), and beside it the destinations' re-prefill time per repack
   (`reprefill_s`, the engine's token-share of the steps that re-prefilled);
 - `repacks`, `moved`: the manager's counters; `train_tokens_per_s`: the paper's training
-  throughput (laminar/bench/modes.py `throughput`).
+  throughput (laminar/bench/modes.py `throughput`); `cpu_s`: CPU seconds of the run by
+  component (laminar/bench/cpu.py; `ManagerActor` is the rollout manager).
 
 `move_cost`: what one repack costs here whether or not the trigger fires in these runs: the
 same rollouts generating (no trainer, admission open) while the manager's `_move` moves a
@@ -134,11 +135,13 @@ def run_once(cfg: Config) -> dict[str, Any]:
     from laminar.modes.driver import Follower, finish
     from laminar.runtime import open_runtime
 
+    from laminar.bench.cpu import CpuMeter
+
     model_dir, version = start_weights(cfg)
     load_before = os.getloadavg()
     t_start = time.perf_counter()
     policy = schedule("laminar").policy(cfg)
-    with open_runtime(cfg, model_dir, version, policy) as rt:
+    with open_runtime(cfg, model_dir, version, policy) as rt, CpuMeter() as cpu:
         with Sampler(rt) as sampler:
             follower = Follower(rt)
             follower.follow(lambda: rt.train("run"))
@@ -173,6 +176,7 @@ def run_once(cfg: Config) -> dict[str, Any]:
         "kv_util_mean_rows": float(np.mean([r["kv_util_mean"] for r in rows[WARMUP:]])),
         "generated_tokens": sum(x.generated_tokens for x in c),
         "steps": len(rows), "wall_s": round(time.perf_counter() - t_start, 1),
+        "cpu_s": {k: round(v, 1) for k, v in sorted(cpu.seconds.items())},
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
@@ -214,6 +218,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     for key in ("kv_util_all", "frac_admitting", "frac_draining", "frac_empty",
                 "frac_admission_closed"):
         out[f"{key}_with"], out[f"{key}_without"] = med(w, key), med(wo, key)
+    parts = sorted({k for r in w + wo for k in r.get("cpu_s", {})})
+    for side, rs in (("with", w), ("without", wo)):
+        out[f"cpu_s_{side}"] = {k: float(np.median([r["cpu_s"].get(k, 0.0) for r in rs])) for k in parts}
+        out[f"checks_{side}"] = med(rs, "checks")
     lat_w, lat_wo = out["traj_latency_avg_max_with"][0], out["traj_latency_avg_max_without"][0]
     out["targets"] = {
         "gain_at_least_1.2": out["gain"] >= TARGETS["gain"],
@@ -390,6 +398,10 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"repacks {f(r['repacks'], '.0f')} moving {f(r['moved'], '.0f')} trajectories (medians); "
           f"{f(r['repack_overhead_s'])} s per repack, re-prefill {f(r['reprefill_s_per_repack'], '.4f')} s")
     print(f"targets: {r['targets']}")
+    cw, cwo = r["cpu_s_with"], r["cpu_s_without"]
+    print("CPU s per run (with / without): " + ", ".join(
+        f"{k} {cw[k]:.1f} / {cwo[k]:.1f}" for k in cw) + f"; manager checks {f(r['checks_with'], '.0f')} / "
+        f"{f(r['checks_without'], '.0f')}")
     mc = r["move_cost"]
     print(f"a forced move ({mc['moves']} moves between live rollouts, no trainer): "
           f"{mc['per_move_s_median']:.3f} s ({mc['per_move_s_range'][0]:.3f}-"
