@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/laminar bench faults --out $(RESULTS)/bench-faults.json
 	$(BIN)/laminar bench repack --out $(RESULTS)/bench-repack.json
 	$(BIN)/laminar bench multinode --out $(RESULTS)/bench-multinode.json
+	$(BIN)/laminar bench trainer --out $(RESULTS)/bench-trainer.json
 	$(BIN)/python -m laminar.bench.results $(RESULTS)
 
 clean:

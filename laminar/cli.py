@@ -20,6 +20,7 @@ BENCHMARKS = {
     "faults": "laminar.bench.faults",
     "multinode": "laminar.bench.multinode",
     "repack": "laminar.bench.repack",
+    "trainer": "laminar.bench.trainer",
     "index": "laminar.bench.results",  # not a benchmark: the table of docs/results/*.json
 }
 

@@ -153,7 +153,7 @@ def spawn_ranks(world_size: int, main: Callable[..., Any], *args: Any, threads: 
     """Run `main(ranks, *args)` in `world_size` fresh local processes forming one group (no
     Ray: tests and `laminar bench trainer`); returns rank 0's answer, after which the group is
     stopped. `main` must be importable (a module-level function); on ranks 1..N-1 it ends in
-    `follow`."""
+    `follow`. One process gets `ranks=None` (no process group, as trainer.world_size=1 runs)."""
     import multiprocessing as mp
     import queue
 
@@ -190,10 +190,11 @@ def _rank_main(rank: int, world_size: int, host: str, port: int, threads: int, t
 
     torch.set_num_threads(threads)
     try:
-        ranks = Ranks.join(None, rank, world_size, timeout_s, host, port)
+        ranks = Ranks.join(None, rank, world_size, timeout_s, host, port) if world_size > 1 else None
         value = main(ranks, *args)
         if rank == 0:
-            ranks.stop()
+            if ranks is not None:
+                ranks.stop()
             answers.put((rank, True, pickle.dumps(value)))  # by value: this process ends now
     except BaseException:
         answers.put((rank, False, traceback.format_exc()))
