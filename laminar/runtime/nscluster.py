@@ -204,11 +204,17 @@ class NamespacedCluster:
         session.mkdir(parents=True, exist_ok=True)
         ray_cmd = " ".join([_ray_bin(), "start", "--address", s.address, "--node-ip-address", ip,
                             *self._common()])
+        # The installation (Python, the environment, laminar) stays visible where it lies under
+        # /tmp (a clone in /tmp): bound aside first, then back into the private /tmp
+        keep = [(f"{self.dir}/node{i}-keep{k}", d) for k, d in enumerate(_installed_under_tmp())]
+        aside = " && ".join(f"mkdir -p {a} && mount --bind {d} {a}" for a, d in keep)
+        back = " && ".join(f"mkdir -p {d} && mount --bind {a} {d}" for a, d in keep)
         # Ray puts every node's session files under the head's temp dir path: each worker gets
         # its own folder there, as it would have on its own disk
-        script = (f"mount -t tmpfs -o size=8g,mode=1777 laminar-shm /dev/shm && "
-                  f"mount --bind {tmp} /tmp && mkdir -p {s.temp_dir} && "
-                  f"mount --bind {session} {s.temp_dir} && exec {ray_cmd}")
+        script = " && ".join(x for x in (
+            "mount -t tmpfs -o size=8g,mode=1777 laminar-shm /dev/shm", aside,
+            f"mount --bind {tmp} /tmp", back, f"mkdir -p {s.temp_dir}",
+            f"mount --bind {session} {s.temp_dir}", f"exec {ray_cmd}") if x)
         log = self.dir / f"node{i}.log"
         with open(log, "wb") as out:
             rc = subprocess.run(["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation",
@@ -309,6 +315,20 @@ def teardown(s: ClusterState) -> None:
         if name.startswith(f"lv{s.tag}"):
             subprocess.run(["ip", "link", "del", name], capture_output=True)
     subprocess.run(["ip", "link", "del", s.bridge], capture_output=True)
+
+
+def _installed_under_tmp() -> list[str]:
+    """Top folders under /tmp that hold this Python, its environment or laminar itself: a
+    worker node's private /tmp must still show them (every node has the installation)."""
+    import laminar
+
+    tmp = Path("/tmp").resolve()
+    tops = set()
+    for p in (sys.prefix, sys.base_prefix, sys.executable, Path(laminar.__file__).resolve().parents[1]):
+        p = Path(p).resolve()
+        if p.is_relative_to(tmp) and p != tmp:
+            tops.add(str(tmp / p.relative_to(tmp).parts[0]))
+    return sorted(tops)
 
 
 def _pids_naming(text: str) -> list[int]:
