@@ -76,7 +76,13 @@ def _repack(d: dict[str, Any]) -> str:
     return (f"generation tokens/s with/without repack {d['gain']:.2f}x ({lo:.2f}-{hi:.2f}; "
             f"{d['gen_tokens_per_s_with']:,.0f} vs {d['gen_tokens_per_s_without']:,.0f}); KV "
             f"{d['kv_util_with']:.3f} vs {d['kv_util_without']:.3f}; latency avg "
-            f"{lw[0]:.3f} vs {lwo[0]:.3f} s; {d['repacks']:.0f} repacks moving {d['moved']:.0f}")
+            f"{lw[0]:.3f} vs {lwo[0]:.3f} s; repacks per run {_span(d['range']['repacks']['with'])} "
+            f"moving {_span(d['range']['moved']['with'])} trajectories")
+
+
+def _span(lo_hi: list[float]) -> str:
+    lo, hi = lo_hi
+    return f"{lo:.0f}" if lo == hi else f"{lo:.0f}-{hi:.0f}"
 
 
 def _faults(d: dict[str, Any]) -> str:
