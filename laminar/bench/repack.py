@@ -129,13 +129,12 @@ def window_rates(samples: list[tuple[float, dict[str, tuple[int, float, int, boo
 def run_once(cfg: Config) -> dict[str, Any]:
     """One laminar-mode training run (the schedule's driver, `laminar.modes.laminar.run`, with
     a snapshot sampler beside it); everything the benchmark reports."""
+    from laminar.bench.cpu import CpuMeter
     from laminar.metrics import read_metrics
     from laminar.modes import schedule
     from laminar.modes.common import start_weights
     from laminar.modes.driver import Follower, finish
     from laminar.runtime import open_runtime
-
-    from laminar.bench.cpu import CpuMeter
 
     model_dir, version = start_weights(cfg)
     load_before = os.getloadavg()
