@@ -31,6 +31,7 @@ import torch.distributed as dist
 from laminar.relay.version import VersionHeader, checksums, layout
 
 _MAPS: dict[str, tuple[int, mmap.mmap]] = {}  # this process's slot mappings, kept across pushes
+_TOGETHER: dict[str, bool] = {}  # rank 0: directory -> every rank sees it (the same machine)
 
 
 def version_header(trainer: Any, version: int, chunk_bytes: int) -> VersionHeader:
@@ -49,12 +50,14 @@ def push_from_shards(trainer: Any, sink: Any, version: int, chunk_bytes: int,
     def fill(data: memoryview, path: Path) -> None:
         ranks = trainer.ranks
         chosen = method
-        if chosen is None:
-            from laminar.relay.relay import node_id
+        if chosen is None:  # asked once per directory (the master's or a staging store's)
+            if str(path.parent) not in _TOGETHER:
+                from laminar.relay.relay import node_id
 
-            here = node_id(path.parent)
-            together = ranks.call_all(trainer, _same_machine, str(path.parent), here)
-            chosen = "shards" if all(together) else "gather"
+                here = node_id(path.parent)
+                _TOGETHER[str(path.parent)] = all(
+                    ranks.call_all(trainer, _same_machine, str(path.parent), here))
+            chosen = "shards" if _TOGETHER[str(path.parent)] else "gather"
         fn = write_rows if chosen == "shards" else gather_rows
         sums: dict[int, int] = {}
         for part in ranks.call_all(trainer, fn, str(path), raw):
