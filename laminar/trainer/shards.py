@@ -74,12 +74,13 @@ def write_rows(trainer: Any, path: str, raw: bytes) -> dict[int, int]:
     header = VersionHeader.from_bytes(raw)
     data = _data(path, header)
     flat = torch.frombuffer(data, dtype=torch.uint8)
-    for entry, (_, p) in zip(header.tensors, trainer.module.named_parameters()):
-        rows, first = _my_rows(p.detach(), ranks.rank, ranks.world_size)
-        if rows.numel():
-            start = entry.offset + first * (entry.nbytes // entry.shape[0])
-            flat[start:start + rows.numel() * rows.element_size()].copy_(
-                rows.contiguous().reshape(-1).view(torch.uint8))
+    with torch.no_grad():  # plain tensors: no DTensor dispatch per parameter
+        for entry, p in zip(header.tensors, trainer.module.parameters()):
+            rows, first = _my_rows(p, ranks.rank, ranks.world_size)
+            if rows.numel():
+                start = entry.offset + first * (entry.nbytes // entry.shape[0])
+                flat[start:start + rows.numel() * rows.element_size()].copy_(
+                    rows.contiguous().reshape(-1).view(torch.uint8))
     del flat
     ranks.barrier()
     sums = {i: zlib.crc32(data[a:b]) for i in range(ranks.rank, header.num_chunks, ranks.world_size)
@@ -96,21 +97,21 @@ def gather_rows(trainer: Any, path: str, raw: bytes) -> dict[int, int]:
     lead = ranks.is_leader
     data = _data(path, header) if lead else None
     flat = torch.frombuffer(data, dtype=torch.uint8) if lead else None
-    for entry, (_, p) in zip(header.tensors, trainer.module.named_parameters()):
-        p = p.detach()
-        if hasattr(p, "to_local"):  # a shard: pad to the common row count, gather, cut
-            size = _rows_per_rank(p.shape[0], ranks.world_size)
-            rows, _ = _my_rows(p, ranks.rank, ranks.world_size)
-            padded = rows.new_zeros((size, *p.shape[1:]))
-            padded[:rows.shape[0]] = rows
-            parts = [torch.empty_like(padded) for _ in range(ranks.world_size)] if lead else None
-            dist.gather(padded, parts, dst=0)
-            full = torch.cat(parts)[:p.shape[0]] if lead else None
-        else:  # replicated (DDP): rank 0 has it all
-            full = p
-        if lead:
-            flat[entry.offset:entry.offset + entry.nbytes].copy_(
-                full.contiguous().reshape(-1).view(torch.uint8))
+    with torch.no_grad():
+        for entry, p in zip(header.tensors, trainer.module.parameters()):
+            if hasattr(p, "to_local"):  # a shard: pad to the common row count, gather, cut
+                size = _rows_per_rank(p.shape[0], ranks.world_size)
+                rows, _ = _my_rows(p, ranks.rank, ranks.world_size)
+                padded = rows.new_zeros((size, *p.shape[1:]))
+                padded[:rows.shape[0]] = rows
+                parts = [torch.empty_like(padded) for _ in range(ranks.world_size)] if lead else None
+                dist.gather(padded, parts, dst=0)
+                full = torch.cat(parts)[:p.shape[0]] if lead else None
+            else:  # replicated (DDP): rank 0 has it all
+                full = p
+            if lead:
+                flat[entry.offset:entry.offset + entry.nbytes].copy_(
+                    full.contiguous().reshape(-1).view(torch.uint8))
     if not lead:
         return {}
     del flat
