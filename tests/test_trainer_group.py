@@ -88,3 +88,17 @@ def test_the_one_process_backend_refuses_several_ranks():
     with pytest.raises(ConfigError, match=r"trainer.world_size=2 starts one trainer process per "
                                           r"rank, which needs cluster.backend=ray"):
         load_config(None, ["trainer.world_size=2", "cluster.backend=local"])
+
+
+def test_a_rank_that_does_not_see_the_run_directory_is_one_clear_error(tmp_path):
+    """On a cluster without a shared filesystem the ranks' checkpoint shards would land on
+    different disks: a rank refuses to start unless it reads the token rank 0 wrote."""
+    from laminar.trainer.actor import SEEN, TrainerRank
+
+    cfg = load_config(None, [f"run_dir={tmp_path}", *TWO])
+    with pytest.raises(ConfigError, match=r"trainer rank 1 on .* does not see the run directory "
+                                          r".*set run_dir to a folder every trainer node mounts"):
+        TrainerRank(cfg, None, 1).start("127.0.0.1", 1, "token")
+    (tmp_path / SEEN).write_text("another group's token")
+    with pytest.raises(ConfigError, match="does not see the run directory"):
+        TrainerRank(cfg, None, 1).start("127.0.0.1", 1, "token")

@@ -34,11 +34,13 @@ from laminar.config import Config, ConfigError
 from laminar.relay.client import Pusher
 from laminar.relay.plan import ChainPlan
 from laminar.relay.version import VersionHeader
+from laminar.runtime.relays import start_failure
 from laminar.trainer.ranks import RankLost, Ranks, fit_problem, follow, rank_bundles, rendezvous
 from laminar.trainer.service import TrainerService
 from laminar.types import Trajectory
 
 log = logging.getLogger("laminar.trainer")
+SEEN = "trainer-ranks.token"  # in RUN_DIR: rank 0 writes it, every other rank must read it
 
 
 class RayTrainerData:
@@ -105,12 +107,15 @@ class TrainerActor(TrainerService):
         n, timeout = cfg.trainer.world_size, cfg.cluster.wait_timeout_s
         host = ray.util.get_node_ip_address()
         store = rendezvous(host, timeout)
+        token = os.urandom(8).hex()  # every rank must see the run directory (checkpoints)
+        cfg.resolved_run_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.resolved_run_dir / SEEN).write_text(token)
         self.followers = [
             ray.remote(TrainerRank).options(
                 **actor_resources(group["bundles"][r]), scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group["pg"], placement_group_bundle_index=r)).remote(cfg, group["model"], r)
             for r in range(1, n)]
-        self.ranks_started = [f.start.remote(host, store.port) for f in self.followers]
+        self.ranks_started = [f.start.remote(host, store.port, token) for f in self.followers]
         self.following = [f.run.remote() for f in self.followers]  # after start: one call at a time
         watch = {ref: (r, "start") for r, ref in enumerate(self.ranks_started, 1)}
         watch |= {ref: (r, "run") for r, ref in enumerate(self.following, 1)}
@@ -123,7 +128,9 @@ class TrainerActor(TrainerService):
                     try:
                         ray.get(ref)
                     except ray.exceptions.RayError as e:
-                        raise RuntimeError(f"trainer rank {rank} failed to start: {e}") from None
+                        kind, message = start_failure(e)
+                        error = ConfigError if kind == "ConfigError" else RuntimeError
+                        raise error(f"trainer rank {rank} failed to start: {message}") from None
                     if what == "run":
                         raise RuntimeError(f"trainer rank {rank} stopped before the group formed")
             return joining.result()
@@ -168,12 +175,19 @@ class TrainerRank:
     def __init__(self, cfg: Config, model: Any, rank: int) -> None:
         self.cfg, self.model_source, self.rank = cfg, model, rank
 
-    def start(self, host: str, port: int) -> int:
+    def start(self, host: str, port: int, token: str) -> int:
         from laminar.models import load_pretrained
         from laminar.runtime.shipping import materialize
         from laminar.trainer.trainer import Trainer
 
         cfg = self.cfg
+        seen = cfg.resolved_run_dir / SEEN
+        if not seen.is_file() or seen.read_text() != token:
+            raise ConfigError(
+                f"trainer rank {self.rank} on {ray.util.get_node_ip_address()} does not see the run "
+                f"directory {cfg.resolved_run_dir} as rank 0 does (every rank writes its shards of "
+                "a checkpoint there): set run_dir to a folder every trainer node mounts (a shared "
+                "filesystem), or run the ranks on one node")
         torch.set_num_threads(cfg.trainer.threads)
         torch.manual_seed(cfg.trainer.seed)
         self.ranks = Ranks.join(None, self.rank, cfg.trainer.world_size, cfg.cluster.wait_timeout_s,
