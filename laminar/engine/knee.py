@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -108,13 +107,10 @@ def model_key(preset: str, path: str | None) -> str:
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The CPU's model name (one definition: the benchmarks' provenance records the same)."""
+    from laminar.bench.provenance import cpu_model
+
+    return cpu_model()
 
 
 def cache_path(preset: str, path: str | None, threads: int, cache_dir: Path = CACHE_DIR) -> Path:
