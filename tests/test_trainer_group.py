@@ -102,3 +102,50 @@ def test_a_rank_that_does_not_see_the_run_directory_is_one_clear_error(tmp_path)
     (tmp_path / SEEN).write_text("another group's token")
     with pytest.raises(ConfigError, match="does not see the run directory"):
         TrainerRank(cfg, None, 1).start("127.0.0.1", 1, "token")
+
+
+@pytest.mark.slow
+def test_two_trainer_ranks_on_two_nodes(tmp_path):
+    """A namespaced cluster of two nodes (own IP, own /dev/shm and /tmp each): rank 0 on the
+    head with the master relay, rank 1 spread to the other node. With RUN_DIR in /tmp the
+    other node cannot see it: one clear error. With RUN_DIR on the shared disk the job trains:
+    gloo across the veth, the model shipped to rank 1, the push gathered on rank 0 (rank 1
+    cannot map the head's shared memory), the sharded checkpoints side by side."""
+    import shutil
+    import subprocess
+    import sys
+    import uuid
+    from pathlib import Path
+
+    from laminar.runtime.nscluster import NamespacedCluster
+
+    ok, why = NamespacedCluster.available()
+    if not ok:
+        pytest.skip(f"namespaced cluster unavailable: {why}")
+    repo = Path(__file__).parent.parent
+    shared = repo / ".cache" / f"test-trainer-ranks-{uuid.uuid4().hex[:6]}"
+    cluster = NamespacedCluster(2, name=f"tr{os.getpid()}")  # short: Ray's socket paths
+
+    def train(run_dir):
+        cmd = [sys.executable, "-m", "laminar.cli", "train", "examples/reverse.yaml",
+               f"cluster.address={cluster.address}", f"run_dir={run_dir}", *TINY, *TWO,
+               "mode=laminar", "trainer.total_steps=4", "trainer.checkpoint_every=2",
+               "metrics.live=off", "metrics.tensorboard=false"]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=repo)
+    try:
+        cluster.up()
+        private = train(tmp_path / "run")
+        assert private.returncode == 2 and "Traceback" not in private.stderr, private.stderr[-3000:]
+        assert f"trainer rank 1 on {cluster.node_ips[1]} does not see the run directory" in private.stderr
+        good = train(shared / "run")
+        out = good.stdout + good.stderr
+        assert good.returncode == 0, out[-4000:]
+        assert "exactly-once check: passed" in good.stdout
+        assert "rank 0 gathers the rows (ranks [1] are on another machine)" in out
+        ckpts = sorted(p.relative_to(shared) for p in (shared / "run" / "checkpoints").rglob("*"))
+        for step in (2, 4):
+            assert (shared / "run" / "checkpoints" / f"step_{step:06d}" / "dcp" / ".metadata").is_file(), ckpts
+        assert len(list((shared / "run" / "checkpoints" / "step_000004" / "dcp").glob("*.distcp"))) == 2
+    finally:
+        cluster.down()
+        shutil.rmtree(shared, ignore_errors=True)

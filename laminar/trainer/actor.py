@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -119,21 +119,34 @@ class TrainerActor(TrainerService):
         self.following = [f.run.remote() for f in self.followers]  # after start: one call at a time
         watch = {ref: (r, "start") for r, ref in enumerate(self.ranks_started, 1)}
         watch |= {ref: (r, "run") for r, ref in enumerate(self.following, 1)}
-        with ThreadPoolExecutor(1) as pool:
-            joining = pool.submit(Ranks.join, store, 0, n, timeout)
-            while not joining.done():
-                done, _ = ray.wait(list(watch), timeout=0.2)
-                for ref in done:
-                    rank, what = watch.pop(ref)
-                    try:
-                        ray.get(ref)
-                    except ray.exceptions.RayError as e:
-                        kind, message = start_failure(e)
-                        error = ConfigError if kind == "ConfigError" else RuntimeError
-                        raise error(f"trainer rank {rank} failed to start: {message}") from None
-                    if what == "run":
-                        raise RuntimeError(f"trainer rank {rank} stopped before the group formed")
-            return joining.result()
+        # join in a daemon thread, which may stay blocked: a failed rank never comes to meet
+        joined: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                joined["ranks"] = Ranks.join(store, 0, n, timeout, node_ip=host)
+            except BaseException as e:
+                joined["error"] = e
+
+        joining = threading.Thread(target=join, daemon=True, name="trainer-rendezvous")
+        joining.start()
+        while joining.is_alive():
+            done, _ = ray.wait(list(watch), timeout=0.2)
+            for ref in done:
+                rank, what = watch.pop(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    cause = getattr(e, "cause", None)
+                    if isinstance(cause, ConfigError):  # the user's setup: one line, as it is
+                        raise ConfigError(str(cause)) from None
+                    raise RuntimeError(f"trainer rank {rank} failed to start: "
+                                       f"{start_failure(e)[1]}") from None
+                if what == "run":
+                    raise RuntimeError(f"trainer rank {rank} stopped before the group formed")
+        if "error" in joined:
+            raise joined["error"]
+        return joined["ranks"]
 
     def _or_restart(self, call: Callable[[], Any]) -> Any:
         """A rank died (or one rank's step failed with the others inside a collective): the
@@ -191,13 +204,15 @@ class TrainerRank:
         torch.set_num_threads(cfg.trainer.threads)
         torch.manual_seed(cfg.trainer.seed)
         self.ranks = Ranks.join(None, self.rank, cfg.trainer.world_size, cfg.cluster.wait_timeout_s,
-                                host, port)
+                                host, port, node_ip=ray.util.get_node_ip_address())
         model, tokenizer = load_pretrained(materialize(self.model_source), cfg.model.attn_implementation)
         self.trainer = Trainer(model, cfg.trainer, tokenizer.pad_token_id, cfg.rollout.temperature,
                                self.ranks)
         return os.getpid()
 
     def run(self) -> None:
+        if not hasattr(self, "trainer"):
+            return  # `start` failed, and rank 0 has its error
         try:
             follow(self.trainer, self.ranks)
         except BaseException:  # rank 0 must learn at once, not at a collective's timeout

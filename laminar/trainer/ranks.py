@@ -23,6 +23,7 @@ Parts:
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,11 +55,14 @@ class Ranks:
 
     @classmethod
     def join(cls, store: dist.Store | None, rank: int, world_size: int, timeout_s: float,
-             host: str = "", port: int = 0) -> "Ranks":
+             host: str = "", port: int = 0, node_ip: str | None = None) -> "Ranks":
         """Join the group (rank 0 passes the store `rendezvous` made, the others its host and
-        port). GPU when this process sees one (nccl), else CPU (gloo)."""
+        port). GPU when this process sees one (nccl), else CPU (gloo). `node_ip`: this node's
+        cluster address; the group's connections use the interface that holds it."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if node_ip:
+            use_interface_of(node_ip)
         timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
             store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
@@ -113,6 +117,18 @@ class Ranks:
         out = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(item, out, dst=0, group=self.control)
         return out or []
+
+
+def use_interface_of(ip: str) -> None:
+    """gloo and nccl advertise the address of the interface named by GLOO_SOCKET_IFNAME /
+    NCCL_SOCKET_IFNAME, else whatever the hostname resolves to (often loopback, which a rank on
+    another node cannot reach): name the interface holding `ip`, unless the user did."""
+    from laminar.relay.address import local_interfaces
+
+    name = next((n for n, addresses in local_interfaces().items() if ip in addresses), None)
+    if name is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
 
 
 def shard(model: torch.nn.Module, ranks: Ranks, sharding: str, frozen: bool = False) -> torch.nn.Module:

@@ -55,8 +55,12 @@ def push_from_shards(trainer: Any, sink: Any, version: int, chunk_bytes: int,
                 from laminar.relay.relay import node_id
 
                 here = node_id(path.parent)
-                _TOGETHER[str(path.parent)] = all(
-                    ranks.call_all(trainer, _same_machine, str(path.parent), here))
+                seen = ranks.call_all(trainer, _same_machine, str(path.parent), here)
+                _TOGETHER[str(path.parent)] = all(seen)
+                away = [r for r, ok in enumerate(seen) if not ok]
+                print(f"trainer push into {path.parent}: " + (
+                    f"rank 0 gathers the rows (ranks {away} are on another machine)" if away
+                    else f"each of the {len(seen)} ranks writes its own rows"), flush=True)
             chosen = "shards" if _TOGETHER[str(path.parent)] else "gather"
         fn = write_rows if chosen == "shards" else gather_rows
         sums: dict[int, int] = {}
