@@ -5,8 +5,8 @@
 
 Each JSON that carries a `provenance` key (see provenance.py) becomes a row: its headline
 figure, the command that wrote it, commit, date and machine. The headline is picked by the keys
-the JSON has — engine, relay, simulator grid, bench modes, bench faults or bench repack — and
-quotes the numbers their docs quote. JSONs without provenance are listed by file name under
+the JSON has — engine, relay, simulator grid, bench modes, bench faults, bench repack or bench
+trainer — and quotes the numbers their docs quote. JSONs without provenance are listed by file name under
 "older results".
 """
 
@@ -67,7 +67,19 @@ def headline(data: dict[str, Any]) -> str:
         return _faults(data)
     if "gen_tokens_per_s_with" in data:
         return _repack(data)
+    if "tokens_per_s_by_world" in data:
+        return _trainer(data)
     return "—"
+
+
+def _trainer(d: dict[str, Any]) -> str:
+    r, one = d["ratios"], d["push_stall_s_by_world"]["1"]
+    ddp = (d.get("by_sharding_world2") or {}).get("none")
+    return (f"2 trainer ranks vs 1 (FSDP full): tokens/s {r['throughput_2_vs_1']:.2f}x"
+            + (f" (DDP {ddp['tokens_per_s'] / d['tokens_per_s_by_world']['1']:.2f}x)" if ddp else "")
+            + f", parameter+optimizer memory per rank {r['param_optim_mem_2_vs_1']:.2f}x, push "
+            f"stall {r['push_stall_2_vs_1']:.2f}x ({one * 1e3:.1f} ms at 1; gathered on rank 0 "
+            f"{d['push_stall_s_gather_world2'] / one:.2f}x); loss match {d['loss_match_max_abs']:.1e}")
 
 
 def _repack(d: dict[str, Any]) -> str:
