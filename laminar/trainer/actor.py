@@ -247,8 +247,8 @@ def start_trainer_group(cfg: Config, model_dir: str, model_source: Any, plan: di
                    f"cluster.wait_timeout_s={cfg.cluster.wait_timeout_s:g}s (other jobs hold the "
                    "resources?)")
     fix = ("lower trainer.world_size or trainer.threads, or add nodes" if cfg.cluster.address else
-           f"lower trainer.world_size or trainer.threads, or raise cluster.num_cpus (the embedded "
-           f"cluster has {cfg.cluster.num_cpus or os.cpu_count()} CPUs)")
+           "lower trainer.world_size or trainer.threads, or raise cluster.num_cpus (the CPUs of "
+           "the embedded cluster)")
     raise ConfigError(f"trainer.world_size={n}: {problem}; {fix}")
 
 
