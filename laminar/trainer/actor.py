@@ -85,8 +85,9 @@ class RelayPush:
 class TrainerActor(TrainerService):
     def __init__(self, cfg: Config, model_dir: str, plan: dict[str, Any], secret: bytes,
                  pool_names: dict[str, str], group: dict[str, Any] | None = None) -> None:
-        """`group` (world size > 1): {"pg": the placement group, "model": the starting model
-        as ranks on other nodes get it (a path or a shipping.ShippedDir)}."""
+        """`group` (world size > 1): {"pg": the placement group, "bundles": its bundles,
+        "model": the starting model as ranks on other nodes get it (a path or a
+        shipping.ShippedDir)}."""
         self.pusher = Pusher(ChainPlan.from_dict(plan), secret, cfg.relay)
         with warnings.catch_warnings():  # Ray's own property trips its deprecation warning
             warnings.simplefilter("ignore")
@@ -94,8 +95,9 @@ class TrainerActor(TrainerService):
         ranks, self.ranks_started = None, []
         if group is not None:
             ranks = self._start_group(cfg, group)
-        super().__init__(cfg, model_dir, RayTrainerData(pool_names, cfg.cluster.wait_timeout_s),
-                         RelayPush(self.pusher), restarted, ranks)
+        self._or_restart(lambda: TrainerService.__init__(  # it loads a checkpoint on every rank
+            self, cfg, model_dir, RayTrainerData(pool_names, cfg.cluster.wait_timeout_s),
+            RelayPush(self.pusher), restarted, ranks))
         # every rank built its shard of the model: they answer with their process ids
         self.rank_pids = [os.getpid()] + ray.get(self.ranks_started, timeout=cfg.cluster.wait_timeout_s)
 

@@ -1,9 +1,11 @@
 """The data-parallel trainer group: N processes, one torch process group; rank 0 leads.
 
-    store = rendezvous(host)                                  # rank 0: picks a free port
-    ranks = Ranks.join(store, rank, world_size, timeout_s)    # every rank; returns once all joined
-    ranks.call(Trainer.train_shard, per_rank_args)            # rank 0: every rank runs it on its trainer
-    follow(trainer, ranks)                                    # ranks 1..N-1: run what rank 0 calls
+    store = rendezvous(host)                                   # rank 0: picks a free port
+    ranks = Ranks.join(store, 0, world_size, timeout_s)        # every rank, once all have come
+    model = shard(model, ranks, "full")                        # FSDP2 (or DDP: "none")
+    ranks.call(trainer, Trainer.train_shard, per_rank_args)    # rank 0: every rank runs it
+    follow(trainer, ranks)                                     # ranks 1..N-1: run what rank 0 calls
+    spawn_ranks(2, main, *args)                                # a local group without Ray
 
 Parts:
 - `Ranks`: this process's place in the group (rank, world size, device, the device mesh FSDP
@@ -16,6 +18,9 @@ Parts:
   the rank with the fewest tokens so far; each rank cuts its share into micro-batches by the
   token budget. Ranks then run the same number of micro-batches (one with fewer pads with empty
   ones: under FSDP every forward and backward is a collective).
+- `shard`: FSDP2 `fully_shard` per decoder layer and on the root, or a DDP wrapper;
+  `use_interface_of`: the group's connections go over the interface holding the node's address.
+- `spawn_ranks`: N local processes forming a group, no Ray (tests, `laminar bench trainer`).
 - `rank_bundles`, `fit_problem` (pure): the Ray resources of each rank, and why N ranks do not
   fit a cluster's nodes (None when they do).
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -142,8 +148,17 @@ def shard(model: torch.nn.Module, ranks: Ranks, sharding: str, frozen: bool = Fa
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [ranks.device] if ranks.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
-    from torch.distributed.fsdp import fully_shard
+        with warnings.catch_warnings():  # the newer name is not in every torch the range admits
+            warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated")
+            return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from laminar.config import ConfigError
+
+        raise ConfigError(f"trainer.sharding={sharding} uses FSDP2 (torch.distributed.fsdp."
+                          f"fully_shard), which torch {torch.__version__} lacks: install torch "
+                          ">= 2.6, or set trainer.sharding=none (DDP)") from None
 
     keep = sharding == "grad_op" and not frozen  # keep gathered weights from forward to backward
     units = set(getattr(model, "_no_split_modules", None) or ())
