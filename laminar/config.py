@@ -335,6 +335,19 @@ class ManagerConfig(Section):
                                "fewer, so a rollout that dies at every start cannot loop.")
 
 
+class LoraConfig(Section):
+    r: int = Field(8, ge=1, description="LoRA rank: each adapted layer learns B @ A with A [r, in] "
+                   "and B [out, r].")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA scale numerator: the update is "
+                         "(alpha / r) * B @ A.")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1,
+        description="Linear layers to adapt, by the last part of their dotted name (peft's "
+        "rule): the attention projections by default; add gate_proj, up_proj, down_proj for "
+        "every linear layer of a decoder block.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
+
+
 class TrainerConfig(Section):
     lr: float = Field(2e-4, gt=0.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
@@ -389,6 +402,19 @@ class TrainerConfig(Section):
         "again for backward), `grad_op` (the same at rest, but a layer's gathered parameters are "
         "kept from forward through backward: one gather per step, more memory), `none` "
         "(DistributedDataParallel: everything replicated, gradients all-reduced).")
+    lora: LoraConfig | None = Field(
+        None, description="Train LoRA adapters (peft) on a frozen base instead of every weight, "
+        "e.g. `trainer.lora={}` or `trainer.lora.r=16`; a weight version then holds only the "
+        "adapters and each rollout merges them into its copy of the base (docs/lora.md).")
+
+    @model_validator(mode="after")
+    def _lora_sharding(self) -> "TrainerConfig":
+        if self.lora is not None and self.world_size > 1 and self.sharding != "none":
+            raise ValueError(f"trainer.lora with trainer.world_size={self.world_size} needs "
+                             f"trainer.sharding=none (DDP; got trainer.sharding={self.sharding}): "
+                             "the adapters are small, so replicating them costs little; FSDP "
+                             "sharding of a LoRA model is not supported")
+        return self
 
 
 class SFTConfig(Section):
