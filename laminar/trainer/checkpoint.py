@@ -7,8 +7,13 @@ size, beside a Hugging Face export of the weights.
       dcp/                 torch.distributed.checkpoint of {"model", "optim"}: each rank writes
                            its own shards, keyed by parameter name, so any number of ranks
                            (one, without a process group) loads it and reshards on the way in
+      adapter/             trainer.lora only: peft's save_pretrained of the adapter (what
+                           `PeftModel.from_pretrained(base, adapter/)` loads); model/ is then the
+                           base with the adapter merged in, and dcp/ holds base and adapter
       rng.pt               rank 0's torch / numpy / Python RNG
-      trainer_state.json   version, and the caller's state (update count, prompt position)
+      trainer_state.json   version, and the caller's state (update count, prompt position);
+                           trainer.lora: `lora_base` (the run's base model directory, fixed for
+                           its whole lineage) and `lora` (the adapter's settings)
 
 `save` and `load` run on rank 0 and drive the other ranks (every rank takes part in the DCP
 collectives and in gathering the full weights for the export). A checkpoint is written into
@@ -40,6 +45,9 @@ def save(trainer: Any, path: Path, tokenizer: PreTrainedTokenizerBase, extra: di
     tokenizer.save_pretrained(tmp / "model")
     torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                 "python": random.getstate()}, tmp / "rng.pt")
+    lora = trainer.cfg.lora
+    if lora is not None:
+        extra = {**extra, "lora_base": trainer.lora_base, "lora": lora.model_dump()}
     (tmp / "trainer_state.json").write_text(json.dumps({"version": trainer.version, **extra}))
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
@@ -49,6 +57,7 @@ def save(trainer: Any, path: Path, tokenizer: PreTrainedTokenizerBase, extra: di
 def load(trainer: Any, path: Path) -> dict[str, Any]:
     """Restore weights, optimizer, version and RNG; returns the caller state saved with it.
     The optimizer's hyperparameters are the config's (a resume may lower trainer.lr)."""
+    _check_lora(trainer, path, json.loads((path / "trainer_state.json").read_text()))
     if (path / "dcp").is_dir():
         _on_every_rank(trainer, _read_shards, str(path))
     elif trainer.ranks is None:
@@ -66,12 +75,43 @@ def load(trainer: Any, path: Path) -> dict[str, Any]:
     random.setstate(rng["python"])
     extra = json.loads((path / "trainer_state.json").read_text())
     trainer.version = extra.pop("version")
+    if "lora_base" in extra:
+        trainer.lora_base = extra.pop("lora_base")
+        extra.pop("lora")
     return extra
+
+
+def _check_lora(trainer: Any, path: Path, state: dict[str, Any]) -> None:
+    """A LoRA checkpoint loads only into a trainer with the same trainer.lora, and a full one
+    only into a trainer without it."""
+    lora, saved = trainer.cfg.lora, state.get("lora")
+    if lora is not None and saved is None:
+        raise ConfigError(f"checkpoint {path} holds full weights (its run had no trainer.lora), "
+                          "so a trainer.lora trainer cannot load it; to train adapters on its "
+                          f"weights start a new run with model.path={path / 'model'} (no "
+                          "trainer.resume), or drop trainer.lora to resume it as it was")
+    if lora is None and saved is not None:
+        raise ConfigError(f"checkpoint {path} holds LoRA adapters (trainer.lora={saved}); resume "
+                          "it with the same trainer.lora, or fine-tune its merged weights in a "
+                          f"new run with model.path={path / 'model'} copied out of the checkpoint")
+    if lora is not None and {**saved, "dropout": 0} != {**lora.model_dump(), "dropout": 0}:
+        raise ConfigError(f"checkpoint {path} was trained with trainer.lora={saved}, this trainer "
+                          f"has trainer.lora={lora.model_dump()}: r, alpha and target_modules "
+                          "must match to continue its adapters; set them as the checkpoint has")
 
 
 def export_pretrained(trainer: Any, out: str) -> None:
     """Every rank: gather the full weights, and rank 0 writes them with `save_pretrained` into
-    `out` (no tokenizer)."""
+    `out` (no tokenizer). trainer.lora: the merged weights, and the adapter beside (`adapter/`);
+    rank 0 holds all of them (DDP), so the other ranks write nothing."""
+    if trainer.cfg.lora is not None:
+        if trainer.ranks is None or trainer.ranks.is_leader:
+            trainer.module.save_pretrained(out, state_dict=trainer.merged_state_dict())
+            trainer.peft_model.peft_config["default"].base_model_name_or_path = trainer.lora_base
+            with warnings.catch_warnings():  # peft looks up the base model's name online
+                warnings.simplefilter("ignore")
+                trainer.peft_model.save_pretrained(str(Path(out).parent / "adapter"))
+        return
     if trainer.ranks is None:
         trainer.module.save_pretrained(out)
         return

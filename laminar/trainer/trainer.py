@@ -18,7 +18,11 @@ Parts:
 - `save_checkpoint` / `load_checkpoint` (laminar/trainer/checkpoint.py): model and optimizer
   as a torch distributed checkpoint, a Hugging Face export, version, RNG state and any caller
   state (e.g. the data position), atomically; `push` publishes the weights (from every rank's
-  shard, laminar/trainer/shards.py).
+  shard, laminar/trainer/shards.py);
+- with `trainer.lora` the model gets peft adapters on a frozen base (`_with_lora`), the optimizer
+  holds only the adapters, and a pushed version holds only them (`adapter_weights`: A, and B
+  pre-multiplied by alpha / r, named after the base's modules; laminar/engine/lora.py merges
+  them at the rollout); `merged_state_dict` is the base with the adapters merged in.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import copy
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -110,6 +115,10 @@ class Trainer:
         self.nonfinite_in_a_row = 0  # updates skipped for a NaN / inf loss or gradient, in a row
         self.last_minibatches: list[dict[str, float]] = []  # those of the last finished one
         model = model.to(self.device).train()
+        self.peft_model: Any = None  # trainer.lora: peft's wrapper (save_pretrained of the adapter)
+        self.lora_base: str | None = None  # trainer.lora: the model directory of the frozen base
+        if cfg.lora is not None:
+            model = self._with_lora(model)
         self.ref_model = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -124,8 +133,40 @@ class Trainer:
                 self.ref_model = shard(self.ref_model, ranks, cfg.sharding, frozen=True)
             if self.prox_model is not None:
                 self.prox_model = shard(self.prox_model, ranks, cfg.sharding, frozen=True)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
+        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
+
+    def _with_lora(self, model: PreTrainedModel) -> PreTrainedModel:
+        """trainer.lora: inject peft adapters into `model` (in place; the base frozen) and return
+        it: the same Hugging Face model, whose target layers now hold `base_layer`, `lora_A` and
+        `lora_B`. Its base is `base_dir` of the directory it was loaded from (a LoRA
+        checkpoint's merged `model/` names its run's base; loading the checkpoint restores it)."""
+        from peft import LoraConfig, get_peft_model
+
+        from laminar.config import ConfigError
+        from laminar.engine.lora import base_dir
+
+        lora = self.cfg.lora
+        uses: dict[int, int] = {}  # a weight under two names is tied (lm_head to the embeddings)
+        for _, p in model.named_parameters(remove_duplicate=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear) and uses[id(m.weight)] == 1})
+        for target in lora.target_modules:
+            if target not in linear:
+                raise ConfigError(f"trainer.lora.target_modules: '{target}' names no linear layer "
+                                  f"of this model; its adaptable layers are {linear} (the last "
+                                  "part of the dotted name; a weight tied to the embeddings is "
+                                  "not adaptable)")
+        if model.name_or_path:
+            self.lora_base = str(base_dir(model.name_or_path))
+        with warnings.catch_warnings():  # peft asks transformers about gradient checkpointing
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            self.peft_model = get_peft_model(model, LoraConfig(
+                r=lora.r, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
+                lora_dropout=lora.dropout, bias="none"))
+        return self.peft_model.base_model.model
 
     def sequence_logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
@@ -281,14 +322,44 @@ class Trainer:
     # ------------------------------------------------------------------------- weights out
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """One process: the weights to publish, a detached view of every parameter (no copy)."""
+        """One process: the weights to publish, a detached view of every parameter (no copy);
+        with trainer.lora only the adapters (`adapter_weights`)."""
+        if self.cfg.lora is not None:
+            return self.adapter_weights()
         return {name: p.detach() for name, p in self.module.named_parameters()}
+
+    def lora_layers(self) -> dict[str, Any]:
+        """trainer.lora: the adapted layers by the base model's dotted module name."""
+        from peft.tuners.lora import LoraLayer
+
+        return {name: m for name, m in self.module.named_modules() if isinstance(m, LoraLayer)}
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """trainer.lora: what a version holds (laminar/engine/lora.py): `<module>.lora_A`
+        [r, in] and `<module>.lora_B` [out, r] multiplied by alpha / r, `<module>` named as in
+        the base model's state_dict. A is a detached view, B a small scaled copy."""
+        out = {}
+        with torch.no_grad():
+            for name, layer in self.lora_layers().items():
+                out[f"{name}.lora_A"] = layer.lora_A["default"].weight.detach()
+                out[f"{name}.lora_B"] = layer.lora_B["default"].weight.detach() * layer.scaling["default"]
+        return out
+
+    def merged_state_dict(self) -> dict[str, torch.Tensor]:
+        """trainer.lora: the base model's state_dict with W0 + B @ A in every adapted layer (what
+        a rollout loads after pulling this version; the checkpoint's `model/` export)."""
+        from laminar.engine.lora import merge
+
+        state = {name.replace(".base_layer.", "."): t.detach()
+                 for name, t in self.module.state_dict().items() if ".lora_" not in name}
+        return {**state, **merge(state, self.adapter_weights())}
 
     def push(self, sink: Any, version: int, chunk_bytes: int) -> float:
         """Publish the current weights as `version` through `sink` (a `WeightSink`); returns
         the stall in seconds. With ranks every rank writes its own rows (shards.py) into
-        a version of `chunk_bytes` chunks."""
-        if self.ranks is None:
+        a version of `chunk_bytes` chunks; with trainer.lora (DDP: rank 0 holds every adapter)
+        rank 0 pushes the adapters alone."""
+        if self.ranks is None or self.cfg.lora is not None:
             return sink.push(self.named_weights(), version)
         from laminar.trainer.shards import push_from_shards
 
