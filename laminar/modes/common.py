@@ -12,7 +12,40 @@ from laminar.config import Config, ConfigError
 def start_weights(cfg: Config) -> tuple[str, int]:
     """(model directory every component loads, its version): the run's newest checkpoint when
     the job resumes (`resume`), else a checkpoint to start from (`trainer.resume`), else
-    `model.path`, else the cached SFT warm start, else a freshly initialised preset."""
+    `model.path`, else the cached SFT warm start, else a freshly initialised preset. With
+    trainer.lora the LoRA base is checked too (`check_lora_start`)."""
+    path, version = _start_weights(cfg)
+    check_lora_start(cfg, path)
+    return path, version
+
+
+def check_lora_start(cfg: Config, path: str) -> None:
+    """trainer.lora keeps one base for a run's whole lineage: the starting weights of a fresh
+    run; a resumed one's `model/` is a merged export whose checkpoint names the base
+    (laminar/engine/lora.py `base_dir`). A ConfigError when that cannot hold."""
+    from laminar.engine.lora import base_dir, is_lora_checkpoint_model
+
+    lora_ckpt = is_lora_checkpoint_model(path)
+    resuming = bool(cfg.resume or cfg.trainer.resume) and Path(path).name == "model"
+    if cfg.trainer.lora is None:
+        if lora_ckpt and resuming:
+            raise ConfigError(f"the checkpoint {Path(path).parent} holds LoRA adapters; resume it "
+                              "with its trainer.lora settings (its trainer_state.json has them)")
+        return
+    if lora_ckpt and not resuming:
+        raise ConfigError(f"model.path={path} is the merged export of a LoRA checkpoint; to go on "
+                          f"with its adapters set trainer.resume={Path(path).parent}, to train new "
+                          "adapters on its merged weights copy the folder out of the checkpoint "
+                          "and point model.path at the copy")
+    if lora_ckpt and cfg.cluster.address:
+        raise ConfigError(f"resuming a trainer.lora run on a cluster (cluster.address="
+                          f"{cfg.cluster.address}) is not supported yet: rollouts on other nodes "
+                          "get the checkpoint's merged weights but not the run's LoRA base; "
+                          "resume it on one machine (unset cluster.address)")
+    base_dir(path)  # the base of a resumed run must still be there
+
+
+def _start_weights(cfg: Config) -> tuple[str, int]:
     if cfg.resume:
         from laminar.pools.resume import check_resumable
         from laminar.trainer.service import newest_checkpoint

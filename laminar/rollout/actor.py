@@ -23,6 +23,7 @@ import torch
 
 from laminar.config import Config
 from laminar.engine import build_engine
+from laminar.engine.lora import rollout_lora
 from laminar.models import load_pretrained
 from laminar.pools.partials import TokenUpdate
 from laminar.rollout.evals import EvalJob, Evaluator
@@ -104,7 +105,8 @@ class RolloutActor:
         from laminar.runtime.shipping import materialize  # on a cluster node: its own copy
 
         self.cfg = cfg
-        model, tokenizer = load_pretrained(materialize(model_dir), cfg.model.attn_implementation)
+        local_dir = materialize(model_dir)
+        model, tokenizer = load_pretrained(local_dir, cfg.model.attn_implementation)
         seed = zlib.crc32(f"{cfg.trainer.seed}/{rollout_id}".encode())  # stable, distinct per rollout
         engine = build_engine(cfg.rollout.engine, model.eval(), tokenizer.eos_token_id,
                               tokenizer.pad_token_id, version, seed)
@@ -119,7 +121,8 @@ class RolloutActor:
         evaluator = Evaluator.copying(engine, cfg.rollout.engine, tokenizer, task, seed, finisher.rewards,
                                            make_episodes(cfg, task, tokenizer))
         self.loop = RolloutLoop(rollout_id, engine, io, policy, finisher, sampling_params(cfg),
-                                cfg.rollout, cfg.cluster.heartbeat_s, evaluator)
+                                cfg.rollout, cfg.cluster.heartbeat_s, evaluator,
+                                rollout_lora(cfg.trainer.lora, local_dir))
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
 

@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from laminar.config import RolloutConfig
+from laminar.engine.lora import LoraBase, MergingWeights
 from laminar.pools.partials import TokenUpdate
 from laminar.rollout.evals import EvalJob, Evaluator
 from laminar.rollout.finish import Finisher
@@ -56,8 +57,14 @@ IDLE_QUIET_S = 0.01  # nap when nothing is (a request wakes the loop at once)
 class RolloutLoop:
     def __init__(self, rollout_id: str, engine: Any, io: RolloutIO, policy: Policy,
                  finisher: Finisher, params: SamplingParams, cfg: RolloutConfig,
-                 heartbeat_s: float, evaluator: Evaluator | None = None) -> None:
+                 heartbeat_s: float, evaluator: Evaluator | None = None,
+                 lora: LoraBase | None = None) -> None:
+        """`lora` (trainer.lora): W0 of the adapted layers; every version pulled through
+        `io.weights` then loads as W0 + B @ A (laminar/engine/lora.py)."""
         self.id = rollout_id
+        self.lora = lora
+        if lora is not None:
+            io.weights = MergingWeights(io.weights, lora)
         self.evaluator = evaluator
         self.timeline = Timeline()
         self.engine, self.io, self.policy, self.finisher = engine, io, policy, finisher
@@ -304,7 +311,7 @@ class RolloutLoop:
     def set_weights(self, weights: Any) -> None:
         """Read weights from another source from now on (its relay died)."""
         with self.lock:
-            self.io.weights = weights
+            self.io.weights = weights if self.lora is None else MergingWeights(weights, self.lora)
 
     # ------------------------------------------------------------------------- the manager's side
 

@@ -22,6 +22,7 @@ import torch
 
 from laminar.config import Config, ConfigError
 from laminar.engine import build_engine
+from laminar.engine.lora import rollout_lora
 from laminar.models import load_pretrained
 from laminar.models.tokenizer import encode_prompt
 from laminar.pools.experience import ExperienceBuffer
@@ -138,7 +139,8 @@ class LocalRuntime:
         evaluator = Evaluator.copying(engine, cfg.rollout.engine, self.tokenizer, self.task, seed,
                                       finisher.rewards, make_episodes(cfg, self.task, self.tokenizer))
         return RolloutLoop(rollout_id, engine, io, self.policy, finisher, sampling_params(cfg),
-                           cfg.rollout, cfg.cluster.heartbeat_s, evaluator)
+                           cfg.rollout, cfg.cluster.heartbeat_s, evaluator,
+                           rollout_lora(cfg.trainer.lora, self.model_dir))
 
     def __exit__(self, *exc: object) -> None:
         for loop in self.loops:
