@@ -21,6 +21,7 @@ BENCHMARKS = {
     "multinode": "laminar.bench.multinode",
     "repack": "laminar.bench.repack",
     "trainer": "laminar.bench.trainer",
+    "lora": "laminar.bench.lora",
     "index": "laminar.bench.results",  # not a benchmark: the table of docs/results/*.json
 }
 

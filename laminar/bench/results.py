@@ -5,8 +5,8 @@
 
 Each JSON that carries a `provenance` key (see provenance.py) becomes a row: its headline
 figure, the command that wrote it, commit, date and machine. The headline is picked by the keys
-the JSON has — engine, relay, simulator grid, bench modes, bench faults, bench repack or bench
-trainer — and quotes the numbers their docs quote. JSONs without provenance are listed by file name under
+the JSON has — engine, relay, simulator grid, bench modes, bench faults, bench repack, bench
+trainer or bench lora — and quotes the numbers their docs quote. JSONs without provenance are listed by file name under
 "older results".
 """
 
@@ -69,7 +69,15 @@ def headline(data: dict[str, Any]) -> str:
         return _repack(data)
     if "tokens_per_s_by_world" in data:
         return _trainer(data)
+    if "push_bytes_by_variant" in data:
+        return _lora(data)
     return "—"
+
+
+def _lora(d: dict[str, Any]) -> str:
+    return "LoRA vs full weights per version: " + "; ".join(
+        f"{name} bytes {q['push_bytes']:.3f}x, push stall {q['push_stall']:.2f}x, rollout apply "
+        f"{q['apply']:.2f}x" for name, q in d["ratios_vs_full"].items())
 
 
 def _trainer(d: dict[str, Any]) -> str:
