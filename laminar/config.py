@@ -622,6 +622,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(format_validation_error(e, source=str(path) if path else "defaults")) from None
 
 
+TARGET_KEYS = ("reward", "env", "agent")  # task keys naming code: `package.module:name` or `file.py:name`
+
+
 def _anchor_files(data: dict[str, Any], base: Path) -> None:
     """`task.reward: my_reward.py:score`, `task.env: my_envs.py:Calc` and `task.agent:
     my_agent.py:run` name files; make a relative one absolute against `base` (the config
@@ -629,7 +632,7 @@ def _anchor_files(data: dict[str, Any], base: Path) -> None:
     my_job.yaml` runs from any folder and the run's saved config.yaml (which `laminar resume`
     reads) still finds it."""
     task = data.get("task")
-    for key in ("reward", "env", "agent"):
+    for key in TARGET_KEYS:
         value = task.get(key) if isinstance(task, dict) else None
         if isinstance(value, str):
             module, sep, attr = value.rpartition(":")

@@ -163,26 +163,24 @@ def _training(c: Any, quick: bool) -> dict[str, Any]:
 def _broadcast(spec: dict[str, Any]) -> dict[str, Any]:
     import ray
     import torch
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from laminar.bench.relay_node import BenchRelay
     from laminar.config import RelayConfig
     from laminar.models.builder import build_preset
     from laminar.relay.client import Pusher
     from laminar.relay.plan import ChainPlan, RelayInfo
+    from laminar.runtime.relays import alive_nodes, pin
 
     ray.init(address=spec["address"], include_dashboard=False, logging_level="ERROR",
              log_to_driver=False)
     head = ray.get_runtime_context().get_node_id()
-    nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    nodes = alive_nodes()
     workers = sorted((n for n in nodes if n != head), key=lambda n: tuple(map(int, nodes[n].split("."))))
     cfg = RelayConfig(timeout_s=30.0, heartbeat_s=1.0)
     secret, job = os.urandom(16).hex().encode(), f"mn{os.getpid()}"
     relays = []
     for k, node in enumerate([head, *workers]):
-        relays.append(ray.remote(BenchRelay).options(
-            num_cpus=0, max_concurrency=8,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+        relays.append(ray.remote(BenchRelay).options(num_cpus=0, max_concurrency=8, **pin(node)).remote(
             f"r{k}", job, secret, cfg, node_ip=nodes[node]))
     infos = [RelayInfo.from_dict(h["info"]) for h in ray.get([r.heartbeat.remote() for r in relays])]
     ids = [i.id for i in infos]

@@ -21,7 +21,7 @@ import ray
 from laminar.config import Config
 from laminar.manager.manager import RolloutManager
 from laminar.pools.partials import PartialEntry
-from laminar.runtime.relays import RelayGroup
+from laminar.runtime.relays import RelayGroup, alive_nodes, pin
 from laminar.types import GenerationRequest, RolloutSnapshot, Unfinished
 
 log = logging.getLogger("laminar.manager")
@@ -213,7 +213,7 @@ class ManagerActor(RolloutManager):
         that left needs nothing here: its relay and rollouts fail the heartbeats above."""
         if not self.cfg.cluster.address or not self.cfg.cluster.rollouts_per_new_node:
             return
-        alive = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        alive = alive_nodes()
         if self.known_nodes is None:
             self.known_nodes = set(alive)
             return
@@ -224,12 +224,12 @@ class ManagerActor(RolloutManager):
     def replace_relays(self, dead: list[str]) -> dict[str, str]:
         if not self.cfg.cluster.address:
             return {}
-        alive = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        alive = alive_nodes()
+        node_of = {ip: node for node, ip in alive.items()}
         out = {}
         for old in dead:
-            strategy = self.fleet.spec.options.get(old, {}).get("scheduling_strategy")
-            node = getattr(strategy, "node_id", None)
-            if node in alive:
+            node = node_of.get(self.relays.group.node_ips.get(old) or "")
+            if node is not None:
                 new = self._start_relay(node, alive[node])
                 if new is not None:
                     out[old] = new
@@ -275,19 +275,16 @@ class ManagerActor(RolloutManager):
         """A new relay on `node` (None: a new virtual node on this machine) at the chain's
         tail, caught up to the master's newest version; the trainer gets the new plan. None
         when it could not start (the job goes on without it)."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         group, spec = self.relays.group, self.fleet.spec
         relay_id = f"node{max(int(r.removeprefix('node')) for r in group.actors) + 1}"
-        pin = {} if node is None else {
-            "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+        here = pin(node)
         try:
-            info = group.add(relay_id, ip, pin, catch_up_s=self.cfg.cluster.wait_timeout_s)
+            info = group.add(relay_id, ip, here, catch_up_s=self.cfg.cluster.wait_timeout_s)
         except Exception as e:
             log.warning("a relay on node %s did not start: %s", ip, e)
             return None
         spec.relays[relay_id] = info.to_dict()
-        spec.options[relay_id] = {**next(iter(spec.options.values()), {}), **pin}
+        spec.options[relay_id] = {**next(iter(spec.options.values()), {}), **here}
         self.relays.tell_trainer()  # the new plan (the relays have it already)
         return relay_id
 

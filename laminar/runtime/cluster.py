@@ -32,6 +32,7 @@ from laminar.config import Config
 from laminar.rollout.policy import Policy
 from laminar.runtime import TrainerRestarted
 from laminar.runtime.placement import place
+from laminar.runtime.relays import alive_nodes, pin
 from laminar.types import RolloutSnapshot
 
 LIGHT = {"num_cpus": 0}
@@ -50,6 +51,7 @@ class ClusterRuntime:
         self.eval_turn = -1  # request_eval: whose turn it is
         self.head: str | None = None  # the driver's Ray node on a real cluster
         self.node_ips: dict[str, str] = {}  # Ray node id -> address, on a real cluster
+        self.node_of: dict[str, str] = {}  # rollout id -> its node's address (rollout_nodes)
         self.staging: str | None = None  # user code staged for shipping (shipping.py)
 
     def __enter__(self) -> "ClusterRuntime":
@@ -87,7 +89,8 @@ class ClusterRuntime:
         # named, so that a restarted trainer finds them by name
         self.names = {k: f"laminar-{self.job}-{k}" for k in ("prompts", "partials", "buffer", "trainer")}
         db, self.resumed = self._prepare_pools()
-        here = {**LIGHT, **self._pin(self.head)}  # the pools write RUN_DIR/pools.db: the driver's node
+        nodes = self._cluster_nodes()  # sets self.head, which the pools are pinned to
+        here = {**LIGHT, **pin(self.head)}  # the pools write RUN_DIR/pools.db: the driver's node
         self.pools = {
             "prompts": ray.remote(PromptPool).options(**here, name=self.names["prompts"]).remote(
                 sampler, 2 * cfg.cluster.wait_timeout_s, self.policy.max_outstanding, db, cfg.resume),
@@ -96,10 +99,9 @@ class ClusterRuntime:
             "buffer": ray.remote(ExperienceBuffer).options(**here, name=self.names["buffer"]).remote(
                 cfg.rollout.group_size, store=db, restore=cfg.resume),
         }
-        nodes = self._cluster_nodes()
         self.placement = place(cfg.rollout.num_workers, cfg.cluster.virtual_nodes,
                                list(nodes) if nodes else None, self.head, cfg.cluster.rollouts_on_head)
-        options = {r: self._pin(n) for r, n in self.placement.relay_node.items()}
+        options = {r: pin(n) for r, n in self.placement.relay_node.items()}
         self.relays = RelayGroup(self.placement.relay_ids, self.job, secret, cfg.relay, options,
                                  {r: (nodes or {}).get(n) for r, n in self.placement.relay_node.items()},
                                  timeout_s=cfg.cluster.wait_timeout_s)
@@ -116,13 +118,13 @@ class ClusterRuntime:
                 self.names, self.node_ips.get(self.head or ""))
         else:
             trainer_opts = ({"resources": dict(cfg.cluster.trainer_resources)}
-                            if cfg.cluster.trainer_resources else self._pin(self.head))
+                            if cfg.cluster.trainer_resources else pin(self.head))
             self.trainer = ray.remote(TrainerActor).options(
                 **THREADED, **trainer_opts, name=self.names["trainer"],
                 max_restarts=cfg.trainer.max_restarts).remote(
                 cfg, self.model_dir, self.relays.plan.to_dict(), secret, self.names)
         repack = cfg.manager.repack and self.policy.repacks
-        self.manager = ray.remote(ManagerActor).options(**THREADED, **self._pin(self.head)).remote(
+        self.manager = ray.remote(ManagerActor).options(**THREADED, **pin(self.head)).remote(
             cfg, self.workers, dict(self.placement.worker_relay), self.pools, self.relays,
             self.names["trainer"], repack, self.policy.mixes_versions, self.rollout_spec)
         self._wait_started()
@@ -209,7 +211,7 @@ class ClusterRuntime:
 
         return RolloutSpec(self.cfg, self.model_source, self.start_version,
                            {r: info.to_dict() for r, info in self.relays.infos.items()},
-                           {r: {**THREADED, **self._pin(n)} for r, n in self.placement.relay_node.items()},
+                           {r: {**THREADED, **pin(n)} for r, n in self.placement.relay_node.items()},
                            self.pools, ray.put(self.policy))
 
     def _start_rollout(self, wid: str) -> Any:
@@ -271,16 +273,8 @@ class ClusterRuntime:
         if not self.cfg.cluster.address:
             return None
         self.head = ray.get_runtime_context().get_node_id()
-        self.node_ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        self.node_ips = alive_nodes()
         return self.node_ips
-
-    @staticmethod
-    def _pin(node: str | None) -> dict[str, Any]:
-        if node is None:
-            return {}
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
 
     def add_worker(self) -> str:
         """Elasticity: one more rollout on the next (virtual) node. It starts with the starting
@@ -307,10 +301,10 @@ class ClusterRuntime:
 
     def rollout_nodes(self) -> dict[str, str]:
         """Rollout id -> its node's address (asked once per rollout: they do not move)."""
-        cache = self.__dict__.setdefault("_node_of", {})
-        missing = {w: h for w, h in self._live().items() if w not in cache}
-        cache.update(self._answers({w: h.node_ip.remote() for w, h in missing.items()}, timeout_s=2))
-        return dict(cache)
+        missing = {w: h for w, h in self._live().items() if w not in self.node_of}
+        self.node_of.update(self._answers({w: h.node_ip.remote() for w, h in missing.items()},
+                                          timeout_s=2))
+        return dict(self.node_of)
 
     def pool_depths(self) -> dict[str, int]:
         """What the pools hold now: groups leased to rollouts, waiting to be leased again,

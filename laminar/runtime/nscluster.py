@@ -362,6 +362,15 @@ def find_state(name: str = "default") -> ClusterState | None:
     return ClusterState.load(path) if path.exists() else None
 
 
+def node_rows() -> list[dict[str, Any]]:
+    """The joined cluster's node table: {id, ip, alive, cpus, head} per node (Ray's GCS)."""
+    import ray
+
+    return [{"id": n["NodeID"], "ip": n["NodeManagerAddress"], "alive": bool(n["Alive"]),
+             "cpus": n.get("Resources", {}).get("CPU", 0.0),
+             "head": "node:__internal_head__" in n.get("Resources", {})} for n in ray.nodes()]
+
+
 def _print_nodes(address: str, expect: list[str], timeout_s: float) -> None:
     """Child-process helper: the GCS's node table as one JSON line, once every IP in `expect`
     is alive or `timeout_s` passed."""
@@ -371,8 +380,7 @@ def _print_nodes(address: str, expect: list[str], timeout_s: float) -> None:
     ray.init(address=address, logging_level="ERROR", log_to_driver=False, include_dashboard=False)
     end = time.time() + timeout_s
     while True:
-        nodes = [{"id": n["NodeID"], "ip": n["NodeManagerAddress"], "alive": bool(n["Alive"]),
-                  "cpus": n.get("Resources", {}).get("CPU", 0)} for n in ray.nodes()]
+        nodes = node_rows()
         alive = {n["ip"] for n in nodes if n["alive"]}
         if set(expect) <= alive or time.time() > end:
             break

@@ -30,6 +30,20 @@ from laminar.relay.store import cleanup
 log = logging.getLogger("laminar.relay")
 
 
+def alive_nodes() -> dict[str, str]:
+    """Ray node id -> address, of the cluster's live nodes."""
+    return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+
+
+def pin(node: str | None) -> dict[str, Any]:
+    """Ray options that keep an actor on `node` (None: anywhere, one machine)."""
+    if node is None:
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+
+
 def start_failure(e: BaseException) -> tuple[str, str]:
     """(exception class name, its message) of what made an actor's constructor fail, out of
     Ray's wrapping (ActorDiedError / RayTaskError text around the original exception)."""
@@ -79,7 +93,8 @@ class RelayGroup:
         self.pids = {h["id"]: h["pid"] for h in infos}
         self.latest: dict[str, int | None] = {h["id"]: h["latest"] for h in infos}  # at the last check
         self.plan = ChainPlan(tuple(ids), dict(self.infos), 1)
-        self._check_links()
+        order = self.plan.order
+        self._check_links([(a, b, self.infos[b]) for a, b in zip(order, order[1:])])
         self._broadcast_plan()
 
     def add(self, relay_id: str, node_ip: str | None, options: Mapping[str, Any],
@@ -94,13 +109,12 @@ class RelayGroup:
                                                   node_ip, **dict(options))
         [beat] = self._first_heartbeats([relay_id], self.cfg.timeout_s * 6)
         info = RelayInfo.from_dict(beat["info"])
-        tail = self.plan.order[-1] if self.plan.order else None
-        if tail is not None:
-            err = ray.get(self.actors[tail].probe.remote(*info.address), timeout=3 * self.cfg.timeout_s + 30)
-            if err is not None:
+        if self.plan.order:
+            try:
+                self._check_links([(self.plan.order[-1], relay_id, info)])  # from the old tail
+            except ConfigError:
                 ray.kill(self.actors.pop(relay_id))
-                raise ConfigError(f"{self._where(tail)} cannot reach the new {self._where(relay_id)} "
-                                  f"at {info.host}:{info.port}: {err}")
+                raise
         master = self.plan.master
         target = ray.get(self.actors[master].heartbeat.remote(), timeout=self.cfg.timeout_s)["latest"] \
             if master is not None else None
@@ -151,15 +165,15 @@ class RelayGroup:
                 raise error(f"{self._where(i)} failed to start: {message}") from None
         return out
 
-    def _check_links(self) -> None:
-        """Every link of the chain, tried before any weights travel: the predecessor connects to
-        its successor's advertised address and proves the secret. A blocked port or a wrong
-        address fails here, naming both ends, instead of as a cut-out relay later."""
-        links = [(a, b) for a, b in zip(self.plan.order, self.plan.order[1:])]
-        refs = [self.actors[a].probe.remote(*self.infos[b].address) for a, b in links]
-        for (a, b), err in zip(links, ray.get(refs, timeout=3 * self.cfg.timeout_s + 30)):
+    def _check_links(self, links: list[tuple[str, str, RelayInfo]]) -> None:
+        """Links (from relay, to relay, its info), tried before any weights travel on them: the
+        predecessor connects to its successor's advertised address and proves the secret. A
+        blocked port or a wrong address fails here, naming both ends, instead of as a cut-out
+        relay later."""
+        refs = [self.actors[a].probe.remote(*info.address) for a, _, info in links]
+        for (a, b, info), err in zip(links, ray.get(refs, timeout=3 * self.cfg.timeout_s + 30)):
             if err is not None:
-                host, port = self.infos[b].address
+                host, port = info.address
                 raise ConfigError(
                     f"{self._where(a)} cannot reach {self._where(b)} at {host}:{port}: {err}. The "
                     "relays' TCP ports must be open between nodes on the weight network (pin them "

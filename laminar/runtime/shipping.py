@@ -40,22 +40,17 @@ MAX_FILE = 1 << 20  # data files larger than this stay behind (say so in the log
 MAX_TOTAL = 64 << 20
 
 
-def file_targets(task: Any) -> list[tuple[str, str]]:
-    """(config key, target) of every `file.py:name` target of the task section."""
-    out = []
-    for key in ("reward", "env", "agent"):
-        value = getattr(task, key, None)
-        if isinstance(value, str) and value.rpartition(":")[0].endswith(".py"):
-            out.append((f"task.{key}", value))
-    return out
+def targets(task: Any, files: bool) -> list[tuple[str, str]]:
+    """(config key, target) of the task's `file.py:name` targets (`files`) or its dotted
+    `package.module:name` ones."""
+    from laminar.config import TARGET_KEYS
 
-
-def dotted_targets(task: Any) -> list[tuple[str, str]]:
     out = []
-    for key in ("reward", "env", "agent"):
+    for key in TARGET_KEYS:
         value = getattr(task, key, None)
-        if isinstance(value, str) and ":" in value and not value.rpartition(":")[0].endswith(".py"):
-            out.append((f"task.{key}", value))
+        if isinstance(value, str) and ":" in value:
+            if value.rpartition(":")[0].endswith(".py") == files:
+                out.append((f"task.{key}", value))
     return out
 
 
@@ -99,7 +94,7 @@ def user_runtime_env(task: Any, staging: Path, exclude: list[Path] | None = None
     modules: list[str] = []
     shipped: dict[str, str] = {}
     notes = []
-    for key, target in file_targets(task):
+    for key, target in targets(task, files=True):
         folder = Path(target.rpartition(":")[0]).resolve().parent
         if str(folder) in shipped:
             continue
@@ -109,7 +104,7 @@ def user_runtime_env(task: Any, staging: Path, exclude: list[Path] | None = None
         notes.append(f"{key}: {folder} -> every node as {dest.name}"
                      + (f" (left behind, too large: {', '.join(skipped[:5])}"
                         f"{'...' if len(skipped) > 5 else ''})" if skipped else ""))
-    for key, target in dotted_targets(task):
+    for key, target in targets(task, files=False):
         top = target.rpartition(":")[0].split(".")[0]
         if top == "laminar":
             continue

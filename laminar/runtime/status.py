@@ -24,13 +24,13 @@ def gather(address: str, timeout_s: float = 10.0) -> dict[str, Any]:
     `address`."""
     import ray
 
+    from laminar.runtime.nscluster import node_rows
+
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
              namespace=RELAY_NAMESPACE)
     try:
-        nodes = [{"id": n["NodeID"], "ip": n["NodeManagerAddress"], "alive": bool(n["Alive"]),
-                  "cpus": n.get("Resources", {}).get("CPU", 0.0),
-                  "head": "node:__internal_head__" in n.get("Resources", {})} for n in ray.nodes()]
+        nodes = node_rows()
         named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a.get("namespace") == RELAY_NAMESPACE and "-relay-" in a["name"]]
         refs = {}
