@@ -399,8 +399,10 @@ class TrainerConfig(Section):
     sharding: Literal["full", "grad_op", "none"] = Field(
         "full", description="With world_size > 1: `full` (FSDP2 fully_shard: parameters, "
         "gradients and optimizer state sharded; parameters gathered per layer for forward and "
-        "again for backward), `grad_op` (the same at rest, but a layer's gathered parameters are "
-        "kept from forward through backward: one gather per step, more memory), `none` "
+        "again for backward; the least memory, the most communication), `grad_op` (the same at "
+        "rest; during an update the layers stay gathered and the gradients unsharded from the "
+        "first forward to the last backward: one all-gather and one reduce-scatter per update, "
+        "the whole model's parameters and gradients held meanwhile), `none` "
         "(DistributedDataParallel: everything replicated, gradients all-reduced).")
     lora: LoraConfig | None = Field(
         None, description="Train LoRA adapters (peft) on a frozen base instead of every weight, "

@@ -46,8 +46,10 @@ def batch(seed: int, groups: int = 6, size: int = 4) -> list[Trajectory]:
 
 
 # FSDP runs with the frozen copies too (a KL reference and the proximal weights of decoupled
-# PPO, sharded like the model); DDP with the plain loss
-LOSSES = {"full": {"kl_coef": 0.05, "old_logprobs": "decoupled"}, "none": {}}
+# PPO, sharded like the model), grad_op (gathered once per update, gradients accumulated
+# unsharded) with the KL reference; DDP with the plain loss
+LOSSES = {"full": {"kl_coef": 0.05, "old_logprobs": "decoupled"}, "grad_op": {"kl_coef": 0.05},
+          "none": {}}
 
 
 def config(sharding: str = "full", **kw) -> TrainerConfig:
@@ -150,7 +152,7 @@ def _tokenizer():
 # ------------------------------------------------------------------------------- the update
 
 
-@pytest.mark.parametrize("sharding", ["full", "none"])
+@pytest.mark.parametrize("sharding", ["full", "grad_op", "none"])
 def test_two_ranks_make_the_single_rank_update(sharding, two_ranks):
     """Two optimizer updates (mini_batches=2) on a long-tailed batch: the ranks hold different
     numbers of micro-batches (the short side runs empty ones), yet the loss, the clipped
@@ -170,6 +172,7 @@ def test_two_ranks_make_the_single_rank_update(sharding, two_ranks):
     plans = [plan_micro_batches([t.num_tokens for t in mb], 2, cfg.micro_batch_tokens)
              for mb in split_groups(batch(0), cfg.mini_batches)]
     assert any(len(p[0]) != len(p[1]) for p in plans)  # so one rank ran an empty micro-batch
+    assert all(len(p[0]) > 1 for p in plans)  # and every update accumulated micro-batches
 
 
 def test_the_token_split_balances_tokens_not_counts():

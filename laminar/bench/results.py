@@ -83,7 +83,10 @@ def _lora(d: dict[str, Any]) -> str:
 def _trainer(d: dict[str, Any]) -> str:
     r, one = d["ratios"], d["push_stall_s_by_world"]["1"]
     ddp = (d.get("by_sharding_world2") or {}).get("none")
+    grad_op = (d.get("by_mode_world2") or {}).get("grad_op")
     return (f"2 trainer ranks vs 1 (FSDP full): tokens/s {r['throughput_2_vs_1']:.2f}x"
+            + (f" (FSDP grad_op {grad_op['ratios']['throughput_2_vs_1']:.2f}x, parameter+optimizer "
+               f"{grad_op['ratios']['param_optim_mem_2_vs_1']:.2f}x)" if grad_op else "")
             + (f" (DDP {ddp['tokens_per_s'] / d['tokens_per_s_by_world']['1']:.2f}x)" if ddp else "")
             + f", parameter+optimizer memory per rank {r['param_optim_mem_2_vs_1']:.2f}x, push "
             f"stall {r['push_stall_2_vs_1']:.2f}x ({one * 1e3:.1f} ms at 1; gathered on rank 0 "

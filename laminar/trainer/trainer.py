@@ -254,8 +254,16 @@ class Trainer:
         return sums
 
     def _gradient_sync(self, last: bool) -> Any:
-        """DDP: all-reduce gradients only after the last micro-batch (FSDP reduce-scatters every
-        backward into the sharded gradients, which then accumulate)."""
+        """How this micro-batch's gradients meet the other ranks'. DDP: all-reduced only after
+        the last micro-batch. FSDP `grad_op`: the layers gathered by the first forward stay
+        gathered, and the gradients accumulate unsharded, until the last micro-batch's backward
+        reduce-scatters them and reshards: one all-gather and one reduce-scatter per layer per
+        update instead of one each per micro-batch (sharded again at rest). FSDP `full`:
+        every backward reduce-scatters into the sharded gradients, which then accumulate."""
+        if self.world_size > 1 and self.cfg.sharding == "grad_op":
+            self.model.set_requires_gradient_sync(last)
+            self.model.set_reshard_after_backward(last)
+            return contextlib.nullcontext()
         if last or not hasattr(self.model, "no_sync"):
             return contextlib.nullcontext()
         return self.model.no_sync()
