@@ -296,6 +296,11 @@ class ClusterConfig(Section):
         default_factory=dict, description="On a cluster: Ray resources the trainer actor asks for "
         "(e.g. {GPU: 1} or a custom resource of the node it should run on); empty = the driver's "
         "node.")
+    trainer_placement: Literal["spread", "pack"] = Field(
+        "spread", description="trainer.world_size > 1 on a cluster: `spread` puts the ranks one "
+        "per node where possible; `pack` on as few nodes as possible, beside rank 0 on the "
+        "driver's node first (e.g. 8 ranks on one 8-GPU node: FSDP's collectives stay inside "
+        "it and every rank writes its own rows of a push).")
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of the embedded cluster "
                                  "(default: enough for every actor).")
     wait_timeout_s: float = Field(300.0, gt=0.0, description="Longest any component may wait for "

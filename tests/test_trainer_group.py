@@ -110,7 +110,8 @@ def test_two_trainer_ranks_on_two_nodes(tmp_path):
     head with the master relay, rank 1 spread to the other node. With RUN_DIR in /tmp the
     other node cannot see it: one clear error. With RUN_DIR on the shared disk the job trains:
     gloo across the veth, the model shipped to rank 1, the push gathered on rank 0 (rank 1
-    cannot map the head's shared memory), the sharded checkpoints side by side."""
+    cannot map the head's shared memory), the sharded checkpoints side by side. With
+    cluster.trainer_placement=pack both ranks sit on the head and write their own rows."""
     import shutil
     import subprocess
     import sys
@@ -124,11 +125,12 @@ def test_two_trainer_ranks_on_two_nodes(tmp_path):
         pytest.skip(f"namespaced cluster unavailable: {why}")
     repo = Path(__file__).parent.parent
     shared = repo / ".cache" / f"test-trainer-ranks-{uuid.uuid4().hex[:6]}"
-    cluster = NamespacedCluster(2, name=f"tr{os.getpid()}")  # short: Ray's socket paths
+    # short name: Ray's socket paths; 2 CPUs a node, so that `pack` can put both ranks on one
+    cluster = NamespacedCluster(2, name=f"tr{os.getpid()}", cpus_per_node=2)
 
-    def train(run_dir):
+    def train(run_dir, *extra):
         cmd = [sys.executable, "-m", "laminar.cli", "train", "examples/reverse.yaml",
-               f"cluster.address={cluster.address}", f"run_dir={run_dir}", *TINY, *TWO,
+               f"cluster.address={cluster.address}", f"run_dir={run_dir}", *TINY, *TWO, *extra,
                "mode=laminar", "trainer.total_steps=4", "trainer.checkpoint_every=2",
                "metrics.live=off", "metrics.tensorboard=false"]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=repo)
@@ -146,6 +148,10 @@ def test_two_trainer_ranks_on_two_nodes(tmp_path):
         for step in (2, 4):
             assert (shared / "run" / "checkpoints" / f"step_{step:06d}" / "dcp" / ".metadata").is_file(), ckpts
         assert len(list((shared / "run" / "checkpoints" / "step_000004" / "dcp").glob("*.distcp"))) == 2
+        packed = train(shared / "packed", "cluster.trainer_placement=pack")
+        out = packed.stdout + packed.stderr
+        assert packed.returncode == 0, out[-4000:]
+        assert "each of the 2 ranks writes its own rows" in out
     finally:
         cluster.down()
         shutil.rmtree(shared, ignore_errors=True)

@@ -137,7 +137,7 @@ def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
     from laminar.trainer.ranks import spawn_ranks
 
     cores = os.cpu_count() or 1
-    steps, repeats, pushes = (3, 1, 5) if quick else (8, 3, 20)
+    steps, repeats, pushes = (3, 1, 5) if quick else (8, 3, 40)
     relay_cfg = RelayConfig()
     secret = uuid.uuid4().hex.encode()
     plan = [run for _ in range(repeats) for run in ((1, "full"), (2, "full"), (2, "grad_op"))]

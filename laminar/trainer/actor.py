@@ -235,7 +235,8 @@ def start_trainer_group(cfg: Config, model_dir: str, model_source: Any, plan: di
     nodes = {node["NodeManagerAddress"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
     problem = fit_problem(bundles, nodes)
     if problem is None:
-        pg = placement_group(bundles, strategy="SPREAD", name=f"{names['trainer']}-ranks")
+        pg = placement_group(bundles, strategy=cfg.cluster.trainer_placement.upper(),
+                             name=f"{names['trainer']}-ranks")
         if pg.wait(timeout_seconds=int(cfg.cluster.wait_timeout_s)):
             handle = ray.remote(TrainerActor).options(
                 max_concurrency=8, **actor_resources(bundles[0]), name=names["trainer"],
