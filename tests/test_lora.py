@@ -257,3 +257,17 @@ def test_a_lora_job_runs_end_to_end_exactly_once(tmp_path, ray_cluster):
     final = load_pretrained(ckpt / "model")[0].state_dict()
     changed = {k for k in base if not torch.equal(base[k], final[k])}
     assert changed and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") for k in changed)
+
+
+def test_bench_lora_quick_writes_its_result(tmp_path):
+    """`laminar bench lora --quick` runs against a real relay process and writes the keys its
+    docs and the results index read (no speed is asserted: that is the benchmark's job)."""
+    from laminar.bench.lora import main
+
+    out = tmp_path / "bench-lora.json"
+    main(quick=True, out=str(out))
+    result = json.loads(out.read_text())
+    for key in ("push_bytes_by_variant", "push_stall_s_by_variant", "apply_s_by_variant",
+                "ratios_vs_full", "provenance"):
+        assert key in result, key
+    assert result["push_bytes_by_variant"]["lora_r8_attn"] < result["push_bytes_by_variant"]["full"]

@@ -20,7 +20,6 @@ Ratios are LoRA / full in the same run.
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -29,7 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from laminar.bench.provenance import provenance
+from laminar.bench.provenance import provenance, write_result
 
 PRESET = "small"
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -138,10 +137,7 @@ def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
     result["provenance"] = provenance({"preset": PRESET, "rounds": rounds, "variants": VARIANTS,
                                        "chunk_bytes": relay_cfg.chunk_bytes, "threads": 1})
     _print(result)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=1))
-        print(f"wrote {out}")
+    write_result(out, result)
     return result
 
 

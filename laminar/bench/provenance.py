@@ -10,6 +10,7 @@ torch's version must not cost torch's import time.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -93,3 +94,11 @@ def command_line(argv: list[str]) -> str:
     else:
         prog = head.name
     return " ".join([prog, *argv[1:]])
+
+
+def write_result(out: str | None, result: dict[str, Any]) -> None:
+    """Write a benchmark's result JSON to `out` (folders made as needed), if one is given."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {out}")

@@ -29,7 +29,6 @@ push stall at 2 ranks <= 1.2x, throughput at 2 ranks >= 0.85x. The top-level key
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import resource
@@ -40,7 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from laminar.bench.provenance import provenance
+from laminar.bench.provenance import provenance, write_result
 
 GROUPS, GROUP_SIZE = 32, 8
 TARGETS = {"param_optim_mem_ratio_max": 0.6, "push_stall_ratio_max": 1.2, "throughput_ratio_min": 0.85}
@@ -173,10 +172,7 @@ def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
                                        "groups": GROUPS, "group_size": GROUP_SIZE,
                                        "chunk_bytes": relay_cfg.chunk_bytes})
     _print(result)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=1))
-        print(f"wrote {out}")
+    write_result(out, result)
     return result
 
 
