@@ -21,6 +21,7 @@ import time
 from collections import Counter
 
 import ray
+import torch
 
 from laminar.config import load_config
 from laminar.metrics import read_rows
@@ -215,6 +216,42 @@ def test_a_killed_trainer_restarts_from_its_checkpoint_and_loses_no_data(tmp_pat
     before = [json.loads(line) for line in lines[:lines.index(json.dumps(mark))]]
     lost = {t["group_id"] for t in before if t["trained_at"] >= mark["resumed_at"]}
     assert mark["requeued_groups"] >= len(lost)
+
+
+def test_a_killed_lora_trainer_restarts_on_the_rollouts_base(tmp_path, ray_cluster):
+    """trainer.lora: a trainer killed after a checkpoint restarts from it (built again on the
+    run's start weights, its LoRA base, then the checkpoint's adapters and optimizer state), so
+    the adapter versions it pushes after the restart, under version numbers the relays have not
+    seen, still merge on the rollouts' own W0 into exactly the weights the trainer holds; nothing
+    is lost or trained twice. (A restart after `laminar resume`, built on the checkpoint's merged
+    export, restores the base from DCP: tests/test_lora.py covers that load.)"""
+    cfg = load_config(None, TINY + [f"run_dir={tmp_path}", "trainer.total_steps=7",
+                                    "trainer.checkpoint_every=2", "trainer.lr=1e-2",
+                                    "trainer.lora={}"])
+    with _runtime(cfg) as rt:
+        training = rt.train("run")
+        follower = Follower(rt)
+        _wait_version(rt, 3)  # a checkpoint at 2, one update after it
+        os.kill(rt.trainer_pid(), signal.SIGKILL)  # the real process
+        steps = follower.follow(lambda: rt.train("run"), started=training)
+        # the newest version (a restart skips the numbers the relays already hold)
+        version, pushed, merged = ray.get(rt.trainer.__ray_call__.remote(
+            lambda a: (a.trainer.version, sorted(a.trainer.named_weights()),
+                       a.trainer.merged_state_dict())))
+        engines = {}
+        for wid, w in rt.workers.items():  # before `finish` stops the rollouts' loops
+            assert ray.get(w.sync_to.remote(version), timeout=60) >= version
+            engines[wid] = ray.get(w.__ray_call__.remote(
+                lambda a: {k: v.clone() for k, v in a.loop.engine.model.state_dict().items()}))
+        report = finish(rt, follower)
+    assert steps == cfg.trainer.total_steps
+    [mark] = _check_lineage(cfg, report, steps)
+    assert mark["resumed_at"] >= 2
+    adapted = {n.removesuffix(".lora_A") + ".weight" for n in pushed if n.endswith(".lora_A")}
+    assert adapted and all(".lora_" in n for n in pushed)
+    for wid, weights in engines.items():
+        for name in adapted:
+            assert torch.allclose(weights[name], merged[name], atol=1e-6, rtol=0), (wid, name)
 
 
 def test_a_trainer_killed_right_after_a_checkpoint_trains_nothing_twice(tmp_path, ray_cluster):
