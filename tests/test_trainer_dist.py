@@ -259,7 +259,7 @@ def test_a_resume_takes_the_learning_rate_of_its_config(tmp_path):
 # ------------------------------------------------------------------------------ weight push
 
 
-@pytest.mark.parametrize("sharding", ["full", "none"])
+@pytest.mark.parametrize("sharding", ["full", "grad_op", "none"])
 def test_the_pushed_version_is_the_gathered_state_dict(sharding, two_ranks):
     """Each rank writes its rows straight into the master relay's slot (and, as the other
     way, rank 0 gathers them): the version the relay publishes, every chunk's checksum
