@@ -633,11 +633,12 @@ TARGET_KEYS = ("reward", "env", "agent")  # task keys naming code: `package.modu
 
 
 def _anchor_files(data: dict[str, Any], base: Path) -> None:
-    """`task.reward: my_reward.py:score`, `task.env: my_envs.py:Calc` and `task.agent:
-    my_agent.py:run` name files; make a relative one absolute against `base` (the config
-    file's folder), so `laminar train
-    my_job.yaml` runs from any folder and the run's saved config.yaml (which `laminar resume`
-    reads) still finds it."""
+    """`task.reward: my_reward.py:score`, `task.env: my_envs.py:Calc`, `task.agent:
+    my_agent.py:run` and `task.dataset.path` name files; make a relative one absolute against
+    `base` (the config file's folder), so `laminar train my_job.yaml` runs from any folder and
+    the run's saved config.yaml (which `laminar resume` reads) still finds it. A dataset path
+    found only under the current folder is taken from there; one found nowhere is left as it
+    is, for the dataset loader's error to name."""
     task = data.get("task")
     for key in TARGET_KEYS:
         value = task.get(key) if isinstance(task, dict) else None
@@ -645,6 +646,15 @@ def _anchor_files(data: dict[str, Any], base: Path) -> None:
             module, sep, attr = value.rpartition(":")
             if sep and module.endswith(".py") and not Path(module).is_absolute():
                 task[key] = f"{(base / module).resolve()}:{attr}"
+    dataset = task.get("dataset") if isinstance(task, dict) else None
+    path = dataset.get("path") if isinstance(dataset, dict) else None
+    if isinstance(path, str) and path and not Path(path).is_absolute():
+        # task.dataset.path: beside the config like the code files; a file that is not there
+        # but is under the folder laminar runs in is taken from there (how it was read before)
+        for folder in (base, Path.cwd()):
+            if (folder / path).exists():
+                dataset["path"] = str((folder / path).resolve())
+                break
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:

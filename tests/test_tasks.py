@@ -117,6 +117,31 @@ def test_a_failing_reward_scores_zero_with_an_error():
     assert score(lambda p, r, a: 0.5, "p", "r", "a") == (0.5, None)
 
 
+def test_a_dataset_beside_the_config_is_found_from_any_folder(tmp_path, monkeypatch):
+    """task.dataset.path is read beside the YAML like the reward file (and saved absolute, so
+    `laminar resume` finds it from anywhere); a path that is only under the folder laminar
+    runs in is still taken from there; a missing one is left for the loader's error."""
+    from laminar.config import load_config
+    from laminar.tasks import build_task
+
+    job, elsewhere = tmp_path / "job", tmp_path / "elsewhere"
+    job.mkdir()
+    elsewhere.mkdir()
+    rows = "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40))
+    (job / "qs.jsonl").write_text(rows)
+    (job / "job.yaml").write_text("task:\n  name: dataset\n  eval_prompts: 4\n"
+                                  "  dataset: {path: qs.jsonl}\n")
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(job / "job.yaml")
+    assert cfg.task.dataset.path == str(job / "qs.jsonl")
+    assert len(build_task(cfg.task, cfg.sandbox).train) == 40
+    (elsewhere / "here.jsonl").write_text(rows)
+    (job / "job.yaml").write_text("task:\n  name: dataset\n  dataset: {path: here.jsonl}\n")
+    assert load_config(job / "job.yaml").task.dataset.path == str(elsewhere / "here.jsonl")
+    cfg = load_config(job / "job.yaml", ["task.dataset.path=nowhere.jsonl"])
+    assert cfg.task.dataset.path == "nowhere.jsonl"
+
+
 def test_a_reward_file_beside_the_config_is_found_from_any_folder(tmp_path, monkeypatch):
     from laminar.config import ConfigError, load_config
     from laminar.tasks.reward_pool import RewardPool
