@@ -197,15 +197,21 @@ def test_rollouts_join_and_leave_a_running_job(tmp_path, ray_cluster):
     _check_nothing_lost(cfg, report, version)
 
 
+def _kill_the_trainer_at(rt, version):
+    """Train; once the trainer reached `version`, SIGKILL its process (the real one) and follow
+    training through the restart to its end. Returns (the follower, the updates trained)."""
+    training = rt.train("run")
+    follower = Follower(rt)
+    _wait_version(rt, version)
+    os.kill(rt.trainer_pid(), signal.SIGKILL)
+    return follower, follower.follow(lambda: rt.train("run"), started=training)
+
+
 def test_a_killed_trainer_restarts_from_its_checkpoint_and_loses_no_data(tmp_path, ray_cluster):
     cfg = load_config(None, TINY + [f"run_dir={tmp_path}", "trainer.total_steps=6",
                                     "trainer.checkpoint_every=2"])
     with _runtime(cfg) as rt:
-        training = rt.train("run")
-        follower = Follower(rt)
-        _wait_version(rt, 3)  # a checkpoint at 2, one update after it
-        os.kill(rt.trainer_pid(), signal.SIGKILL)  # the real process
-        steps = follower.follow(lambda: rt.train("run"), started=training)
+        follower, steps = _kill_the_trainer_at(rt, 3)  # a checkpoint at 2, one update after it
         report = finish(rt, follower)
     assert steps == cfg.trainer.total_steps
     [mark] = _check_lineage(cfg, report, steps)
@@ -229,11 +235,7 @@ def test_a_killed_lora_trainer_restarts_on_the_rollouts_base(tmp_path, ray_clust
                                     "trainer.checkpoint_every=2", "trainer.lr=1e-2",
                                     "trainer.lora={}"])
     with _runtime(cfg) as rt:
-        training = rt.train("run")
-        follower = Follower(rt)
-        _wait_version(rt, 3)  # a checkpoint at 2, one update after it
-        os.kill(rt.trainer_pid(), signal.SIGKILL)  # the real process
-        steps = follower.follow(lambda: rt.train("run"), started=training)
+        follower, steps = _kill_the_trainer_at(rt, 3)  # a checkpoint at 2, one update after it
         # the newest version (a restart skips the numbers the relays already hold)
         version, pushed, merged = ray.get(rt.trainer.__ray_call__.remote(
             lambda a: (a.trainer.version, sorted(a.trainer.named_weights()),
