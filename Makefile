@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/laminar bench repack --out $(RESULTS)/bench-repack.json
 	$(BIN)/laminar bench multinode --out $(RESULTS)/bench-multinode.json
 	$(BIN)/laminar bench trainer --out $(RESULTS)/bench-trainer.json
+	$(BIN)/laminar bench lora --out $(RESULTS)/bench-lora.json
 	$(BIN)/python -m laminar.bench.results $(RESULTS)
 
 clean:
