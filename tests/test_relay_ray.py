@@ -83,3 +83,57 @@ def test_relay_actors_broadcast_repair_and_replace_the_master(ray_cluster):
     finally:
         group.shutdown()
     assert not list(Path("/dev/shm").glob(f"lam-{job}-*"))
+
+
+def test_a_link_cut_between_two_live_relays_is_tried_again(ray_cluster):
+    """Relay b is frozen (SIGSTOP) while a feeds it a version: a's handshake times out and a
+    cuts b out of its own plan, feeding c. b then thaws and answers heartbeats again, but no
+    one feeds it: the group's next check sees a link cut between two live relays, gives the
+    relays the group's plan back, and b gets the next version (before, it kept its last one
+    for good, and so did its rollouts)."""
+    from laminar.runtime.relays import cut_links
+
+    ray = ray_cluster
+    job = f"ray{uuid.uuid4().hex[:6]}"
+    cfg = RelayConfig(timeout_s=1.0, heartbeat_s=0.2, chunk_bytes=64 << 10)
+    group = RelayGroup(["a", "b", "c"], job, SECRET, cfg)
+    state = build_preset("tiny", seed=1).state_dict()
+    try:
+        pusher = Pusher(group.plan, SECRET, cfg)
+        pusher.push(state, 1)
+        for actor in group.actors.values():
+            wait_latest(ray, actor, 1)
+        os.kill(group.pids["b"], signal.SIGSTOP)
+        try:
+            pusher.push(state, 2)
+            end = time.time() + 30
+            while ray.get(group.actors["a"].heartbeat.remote())["successor"] != "c":
+                assert time.time() < end, "a never cut the frozen b out"
+                time.sleep(0.05)
+            wait_latest(ray, group.actors["c"], 2)  # a feeds c directly now
+        finally:
+            os.kill(group.pids["b"], signal.SIGCONT)
+        beats = {i: ray.get(a.heartbeat.remote()) for i, a in group.actors.items()}
+        assert cut_links(group.plan, {i: b["successor"] for i, b in beats.items()}) == [("a", "b")]
+        assert group.find_dead() == []  # b answers: not dead; the plan goes back to the relays
+        assert ray.get(group.actors["a"].heartbeat.remote())["successor"] == "b"
+        pusher.push(state, 3)
+        for relay in ("b", "c"):
+            wait_latest(ray, group.actors[relay], 3)
+    finally:
+        group.shutdown()
+
+
+def test_a_cut_link_is_tried_at_once_then_less_and_less_often():
+    from laminar.runtime.relays import links_due
+
+    link, other = ("a", "b"), ("b", "c")
+    due, plan = links_due([link], {}, now=100.0)
+    assert due == [link] and plan == {link: (110.0, 10.0)}
+    assert links_due([link], plan, now=105.0) == ([], plan)  # not yet
+    due, plan = links_due([link, other], plan, now=110.0)
+    assert due == [link, other] and plan == {link: (130.0, 20.0), other: (120.0, 10.0)}
+    for _ in range(10):
+        _, plan = links_due([link], plan, now=plan[link][0])
+    assert plan[link][1] == 300.0  # capped
+    assert links_due([], plan, now=10_000.0) == ([], {})  # healed: forgotten

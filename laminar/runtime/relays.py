@@ -62,6 +62,29 @@ def start_failure(e: BaseException) -> tuple[str, str]:
     return kind, f"{kind}: {message.strip()}"
 
 
+def cut_links(plan: ChainPlan, successors: Mapping[str, str | None]) -> list[tuple[str, str]]:
+    """(relay, its successor in `plan`) for each relay whose own plan (`successors`: relay ->
+    the successor it feeds, from the heartbeats that answered) skips a successor that answered
+    too: a link that the relay cut, between two live relays."""
+    return [(i, plan.successor(i)) for i, feeds in successors.items()
+            if plan.successor(i) is not None and feeds != plan.successor(i)
+            and plan.successor(i) in successors]
+
+
+def links_due(cut_off: list[tuple[str, str]], retries: Mapping[tuple[str, str], tuple[float, float]],
+              now: float, first: float = 10.0, most: float = 300.0
+              ) -> tuple[list[tuple[str, str]], dict[tuple[str, str], tuple[float, float]]]:
+    """Which cut links to try again now, and the new schedule (link -> (next try, delay)): a
+    newly cut link at once, then after `first` seconds, doubling up to `most`; a link no
+    longer cut leaves the schedule."""
+    schedule = {link: r for link, r in retries.items() if link in cut_off}
+    due = [link for link in cut_off if now >= schedule.get(link, (0.0, 0.0))[0]]
+    for link in due:
+        delay = min(2 * schedule[link][1], most) if link in schedule else first
+        schedule[link] = (now + delay, delay)
+    return due, schedule
+
+
 def relay_actor_name(job: str, relay_id: str) -> str:
     """Relays are named actors, so `laminar cluster status` finds a running job's relays."""
     return f"laminar-{job}-relay-{relay_id}"
@@ -84,6 +107,7 @@ class RelayGroup:
         self.job, self.cfg, self.secret = job, cfg or RelayConfig(), secret
         self.node_ips = dict(node_ips or {})
         self.misses: dict[str, int] = {}  # heartbeats in a row a relay did not answer in time
+        self.retries: dict[tuple[str, str], tuple[float, float]] = {}  # cut link -> (next try, delay)
         self.joins: list[dict[str, Any]] = []  # relays added at runtime: how they caught up
         self.actors = {i: start_relay_actor(i, job, secret, self.cfg, self.node_ips.get(i),
                                             **dict((options or {}).get(i, {})))
@@ -199,7 +223,7 @@ class RelayGroup:
         ids = list(self.plan.order)
         refs = [self.actors[i].heartbeat.remote() for i in ids]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.timeout_s)
-        dead = []
+        dead, successors = [], {}
         for i, ref in zip(ids, refs):
             if ref not in ready:
                 self.misses[i] = self.misses.get(i, 0) + 1
@@ -207,11 +231,28 @@ class RelayGroup:
                     dead.append(i)
                 continue
             try:
-                self.latest[i] = ray.get(ref)["latest"]
+                beat = ray.get(ref)
+                self.latest[i], successors[i] = beat["latest"], beat["successor"]
                 self.misses[i] = 0
             except Exception:  # the actor (its process or its node) is gone
                 dead.append(i)
+        if not dead:
+            self._retry_cut_links(cut_links(self.plan, successors))
         return dead
+
+    def _retry_cut_links(self, cut_off: list[tuple[str, str]]) -> None:
+        """A relay cut its successor out (a link that failed: a connect or handshake that timed
+        out) while the successor still answers: the link, not the relay, failed. Without a
+        retry the successor would hold its last version for good, and so would its rollouts;
+        so the group's plan goes back to the relays and the link is tried again, at once the
+        first time, then after 10 s, 20 s, ... up to 5 minutes while it keeps failing (each try
+        holds the cutting relay up to relay.timeout_s, its other successors waiting)."""
+        due, self.retries = links_due(cut_off, self.retries, time.monotonic())
+        if not due:
+            return
+        log.warning("relay links %s were cut while both ends answer; trying them again",
+                    ", ".join(f"{a} -> {b}" for a, b in due))
+        self._broadcast_plan()
 
     def cut(self, dead: list[str]) -> None:
         """Re-plan the chain without `dead` (one link changes per relay; a dead master's
