@@ -24,7 +24,7 @@ Parts:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,28 +76,32 @@ def merge(base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor]
     return out
 
 
+def _recorded_base(model_dir: Path) -> str | None:
+    """The `lora_base` a LoRA checkpoint's merged export (`.../model`) names, else None."""
+    state = model_dir.parent / "trainer_state.json"
+    if model_dir.name != "model" or not state.is_file():
+        return None
+    return json.loads(state.read_text()).get("lora_base")
+
+
 def base_dir(model_dir: str | Path) -> Path:
     """The LoRA base of the starting model directory `model_dir` (see the module docstring)."""
     model_dir = Path(model_dir)
-    state = model_dir.parent / "trainer_state.json"
-    if model_dir.name == "model" and state.is_file():
-        base = json.loads(state.read_text()).get("lora_base")
-        if base is not None:
-            if not (Path(base) / "config.json").is_file():
-                raise ConfigError(
-                    f"the LoRA checkpoint {model_dir.parent} was trained on the base model "
-                    f"{base} (lora_base in its trainer_state.json), which is gone; put that "
-                    "model directory back at that path to resume it, or start a new run from "
-                    f"its merged weights with model.path={model_dir} without trainer.lora")
-            return Path(base)
-    return model_dir
+    base = _recorded_base(model_dir)
+    if base is None:
+        return model_dir
+    if not (Path(base) / "config.json").is_file():
+        raise ConfigError(
+            f"the LoRA checkpoint {model_dir.parent} was trained on the base model "
+            f"{base} (lora_base in its trainer_state.json), which is gone; put that "
+            "model directory back at that path to resume it, or start a new run from "
+            f"its merged weights with model.path={model_dir} without trainer.lora")
+    return Path(base)
 
 
 def is_lora_checkpoint_model(model_dir: str | Path) -> bool:
     """Is `model_dir` the merged export (`model/`) of a LoRA checkpoint?"""
-    state = Path(model_dir).parent / "trainer_state.json"
-    return (Path(model_dir).name == "model" and state.is_file()
-            and json.loads(state.read_text()).get("lora_base") is not None)
+    return _recorded_base(Path(model_dir)) is not None
 
 
 def target_weight_names(names: Iterable[str], target_modules: list[str]) -> list[str]:
@@ -106,9 +110,10 @@ def target_weight_names(names: Iterable[str], target_modules: list[str]) -> list
             and n.removesuffix(".weight").rsplit(".", 1)[-1] in target_modules]
 
 
-def read_weights(model_dir: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+def read_weights(model_dir: str | Path, keep: Callable[[str], bool] | None = None
+                 ) -> dict[str, torch.Tensor]:
     """Tensors of a Hugging Face directory's safetensors files (one file or an indexed set),
-    only `names` when given."""
+    only those whose name `keep` accepts when given (the others are never read)."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
@@ -120,7 +125,7 @@ def read_weights(model_dir: str | Path, names: list[str] | None = None) -> dict[
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
-                if names is None or key in names:
+                if keep is None or keep(key):
                     out[key] = st.get_tensor(key)
     return out
 
@@ -136,17 +141,11 @@ class LoraBase:
     def from_model_dir(cls, model_dir: str | Path, target_modules: list[str]) -> "LoraBase":
         """W0 of `model_dir`'s LoRA base (`base_dir`): the target modules' weights only."""
         path = base_dir(model_dir)
-        from safetensors import safe_open
-
-        keys: list[str] = []
-        for f in sorted(path.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as st:
-                keys += list(st.keys())
-        names = target_weight_names(keys, target_modules)
-        if not names:
+        weights = read_weights(path, lambda key: bool(target_weight_names([key], target_modules)))
+        if not weights:
             raise ConfigError(f"trainer.lora.target_modules={target_modules} names no weight of the "
                               f"LoRA base {path}")
-        return cls(read_weights(path, names), str(path))
+        return cls(weights, str(path))
 
     @property
     def nbytes(self) -> int:

@@ -57,7 +57,8 @@ def save(trainer: Any, path: Path, tokenizer: PreTrainedTokenizerBase, extra: di
 def load(trainer: Any, path: Path) -> dict[str, Any]:
     """Restore weights, optimizer, version and RNG; returns the caller state saved with it.
     The optimizer's hyperparameters are the config's (a resume may lower trainer.lr)."""
-    _check_lora(trainer, path, json.loads((path / "trainer_state.json").read_text()))
+    extra = json.loads((path / "trainer_state.json").read_text())
+    _check_lora(trainer, path, extra)
     if (path / "dcp").is_dir():
         _on_every_rank(trainer, _read_shards, str(path))
     elif trainer.ranks is None:
@@ -73,7 +74,6 @@ def load(trainer: Any, path: Path) -> dict[str, Any]:
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
-    extra = json.loads((path / "trainer_state.json").read_text())
     trainer.version = extra.pop("version")
     if "lora_base" in extra:
         trainer.lora_base = extra.pop("lora_base")
