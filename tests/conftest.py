@@ -1,13 +1,65 @@
-"""Shared fixtures. One local Ray cluster per test session (starting one costs ~4 s)."""
+"""Shared harness: one local Ray cluster per test session (starting one costs ~4 s), and the
+CPU hog of the load harness (`pytest --cpu-hog N`, `make test-under-load`; docs/testing.md).
+
+Tests wait on events, never on fixed sleeps: `until(what, condition)` from tests/waiting.py.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
+from waiting import _test_clock  # noqa: F401  (every test's deadline starts with it)
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# A busy loop at normal priority: one process keeps one core busy for as long as it lives.
+HOG = "while True: pass"
+_hogs: list[subprocess.Popen] = []
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-hog", type=int, default=0, metavar="N",
+        help="run N busy-loop processes at normal priority for the whole session (the load "
+             "harness: `make test-under-load` runs 2 per core)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    n = config.getoption("--cpu-hog")
+    if n < 0:
+        raise pytest.UsageError(f"--cpu-hog={n}: give a number of busy-loop processes >= 0")
+    # the workers see it too: the processes they start (sandboxes, trainer ranks) are not hogs
+    for _ in range(n):
+        _hogs.append(subprocess.Popen([sys.executable, "-c", HOG], stdin=subprocess.DEVNULL))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for p in _hogs:
+        p.kill()
+    for p in _hogs:
+        p.wait()
+    _hogs.clear()
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if not _hogs:
+        return None
+    return (f"load harness: {len(_hogs)} busy-loop processes at normal priority "
+            f"(pids {', '.join(str(p.pid) for p in _hogs)}) on {os.cpu_count()} cores")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _hogs:
+        dead = [p.pid for p in _hogs if p.poll() is not None]
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        terminalreporter.write_line(
+            f"load harness: {len(_hogs)} busy-loop processes ran the whole session"
+            + (f" (but {dead} had exited: the load was lower)" if dead else "")
+            + f"; load average now {load}")
 
 
 @pytest.fixture(scope="session")
@@ -15,7 +67,10 @@ def ray_cluster():
     """A real embedded Ray cluster, shared by every test that asks for it."""
     import ray
 
+    from laminar.runtime import ray_env_defaults
+
     if not ray.is_initialized():
+        ray_env_defaults()
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True,
                  configure_logging=False)
     yield ray

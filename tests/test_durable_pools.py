@@ -62,12 +62,12 @@ def test_a_killed_writer_loses_only_what_it_had_not_committed(tmp_path):
         s.put("t", "durable", 1); s.commit()
         s.put("t", "pending", 2)
         print("ready", flush=True)
-        time.sleep(60)
+        time.sleep(3600)  # until the kill
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=10)
+    proc.wait(timeout=60)
     assert SqliteStore(db).load("t") == {"durable": 1}
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from laminar.modes.control import plan_scale
+from waiting import remaining_s, until
 
 ROOT = Path(__file__).parent.parent
 TINY = ["sft.enabled=false", "task.reverse.max_len=8", "rollout.max_new_tokens=9",
@@ -48,16 +48,13 @@ def _status(run: Path) -> dict:
     return json.loads((run / "status.json").read_text())
 
 
-def _wait(what: str, cond, timeout: float = 180) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
+def _wait(what: str, cond) -> None:
+    def safely():
         try:
-            if cond():
-                return
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+            return cond()
+        except (OSError, ValueError, KeyError):  # status.json not written yet, or mid-write
+            return False
+    until(what, safely, poll_s=0.5)
 
 
 def test_commands_without_a_running_job_say_so(tmp_path):
@@ -92,7 +89,7 @@ def test_scale_up_by_two_and_down_by_one_during_a_run(tmp_path):
         assert joined["relay"] == relay3 == status["relays"][-1]["id"]  # at the chain's tail
         # caught up before its rollout started: it held the master's version at the join
         assert joined["version"] is not None and joined["version"] >= joined["master_version"]
-        out, _ = job.communicate(timeout=600)
+        out, _ = job.communicate(timeout=remaining_s())
     finally:
         if job.poll() is None:
             job.kill()

@@ -29,6 +29,7 @@ from laminar.modes import schedule
 from laminar.modes.common import start_weights
 from laminar.modes.driver import Follower, finish
 from laminar.runtime.cluster import ClusterRuntime
+from waiting import answer, until
 
 # cluster.heartbeat_s stays 2 s: a killed process is noticed at once (calls to it fail), and a
 # rollout whose step takes over 1.5 s on this shared 2-core machine must not be declared hung
@@ -46,20 +47,13 @@ def _runtime(cfg):
     return ClusterRuntime(cfg, model_dir, 0, schedule("laminar").policy(cfg))
 
 
-def _wait(what, done, timeout=120, poll_s=0.05):
-    deadline = time.monotonic() + timeout
-    while not (value := done()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(poll_s)
-    return value
-
-
 def _version(rt):
     return len(ray.get(rt.trainer.metrics_since.remote(0)))
 
 
-def _wait_version(rt, version, timeout=120):
-    _wait(f"the trainer to reach version {version}", lambda: _version(rt) >= version, timeout)
+def _wait_version(rt, version):
+    until(f"the trainer to reach version {version}", lambda: _version(rt) >= version,
+          seen=lambda: f"version {_version(rt)}")
 
 
 def _then_stop(rt, follower, training, more=2):
@@ -71,12 +65,13 @@ def _then_stop(rt, follower, training, more=2):
 
 
 def _fault(rt, kind, who):
-    return _wait(f"the manager to repair {kind} {who}", lambda: next(
-        (f for f in rt.manager_stats()["faults"] if (f["kind"], f["who"]) == (kind, who)), None))
+    return until(f"the manager to repair {kind} {who}", lambda: next(
+        (f for f in rt.manager_stats()["faults"] if (f["kind"], f["who"]) == (kind, who)), None),
+        seen=lambda: rt.manager_stats()["faults"])
 
 
 def _latest(rt, relay):
-    return ray.get(rt.relays.actors[relay].heartbeat.remote(), timeout=30)["latest"] or 0
+    return answer(rt.relays.actors[relay].heartbeat.remote(), f"relay {relay}'s heartbeat")["latest"] or 0
 
 
 def _trained(cfg):
@@ -129,14 +124,19 @@ def test_a_killed_rollout_is_replaced_and_its_work_keeps_its_version(tmp_path, r
         training = rt.train("run")
         follower = Follower(rt)
 
+        def owned_by_rollout0():
+            return {e.request.request_id: e.request.version
+                    for e in ray.get(partials.owned_by.remote("rollout0"))}
+
         def frozen_mid_generation():  # rollout0 holds trajectories with streamed tokens
-            if not any(e.request.version is not None for e in ray.get(partials.owned_by.remote("rollout0"))):
+            if not any(v is not None for v in owned_by_rollout0().values()):
                 return None
             os.kill(pid, signal.SIGSTOP)
-            time.sleep(0.1)  # what it sent before lands
-            owned = ray.get(partials.owned_by.remote("rollout0"))
-            if any(e.request.version is not None for e in owned):
-                return {e.request.request_id: e.request.version for e in owned}
+            owned = owned_by_rollout0()
+            while (again := owned_by_rollout0()) != owned:  # what it sent before the freeze lands
+                owned = again
+            if any(v is not None for v in owned.values()):
+                return owned
             os.kill(pid, signal.SIGCONT)
             return None
 
@@ -144,7 +144,7 @@ def test_a_killed_rollout_is_replaced_and_its_work_keeps_its_version(tmp_path, r
         # (rollout.version_lag=2): rollout1 holds the version of rollout0's work when it dies
         os.kill(trainer_pid, signal.SIGSTOP)
         try:
-            owned = _wait("rollout0 to generate", frozen_mid_generation, timeout=60, poll_s=0.01)
+            owned = until("rollout0 to stream tokens", frozen_mid_generation, poll_s=0.01)
             killed_at = time.time()
             os.kill(pid, signal.SIGKILL)  # the real process
             fault = _fault(rt, "rollout", "rollout0")
@@ -152,9 +152,9 @@ def test_a_killed_rollout_is_replaced_and_its_work_keeps_its_version(tmp_path, r
             os.kill(trainer_pid, signal.SIGCONT)
         # all of it continues on rollout1 as it was: tokens of version 0 (or none yet)
         assert fault["moved"] == owned and 0 in owned.values()
-        _wait("rollout0's replacement", lambda: rt.manager_stats()["recreated"] == [["rollout0", "rollout0.1"]])
+        until("rollout0's replacement", lambda: rt.manager_stats()["recreated"] == [["rollout0", "rollout0.1"]])
         new = ray.get(rt.manager.rollouts.remote(["rollout0.1"]))["rollout0.1"]
-        _wait("rollout0.1 to finish trajectories",
+        until("rollout0.1 to finish trajectories",
               lambda: ray.get(new.snapshot.remote()).counters.finished > 0)
         version = _then_stop(rt, follower, training)
         snap = ray.get(new.snapshot.remote())
@@ -184,7 +184,7 @@ def test_rollouts_join_and_leave_a_running_job(tmp_path, ray_cluster):
         _wait_version(rt, 1)
         wid = rt.add_worker()
         joined = rt.workers[wid]
-        _wait("the new rollout to finish a trajectory",
+        until("the new rollout to finish a trajectory",
               lambda: ray.get(joined.snapshot.remote()).counters.finished > 0)
         rt.retire_worker("rollout0")
         version = _then_stop(rt, follower, training)  # training goes on without rollout0
@@ -242,7 +242,7 @@ def test_a_killed_lora_trainer_restarts_on_the_rollouts_base(tmp_path, ray_clust
                        a.trainer.merged_state_dict())))
         engines = {}
         for wid, w in rt.workers.items():  # before `finish` stops the rollouts' loops
-            assert ray.get(w.sync_to.remote(version), timeout=60) >= version
+            assert answer(w.sync_to.remote(version), f"{wid} to hold version {version}") >= version
             engines[wid] = ray.get(w.__ray_call__.remote(
                 lambda a: {k: v.clone() for k, v in a.loop.engine.model.state_dict().items()}))
         report = finish(rt, follower)
@@ -269,7 +269,7 @@ def test_a_trainer_killed_right_after_a_checkpoint_trains_nothing_twice(tmp_path
         training = rt.train("run")
         follower = Follower(rt)
         pid = rt.trainer_pid()
-        _wait("the checkpoint of step 4", (tmp_path / "checkpoints" / "step_000004").exists, poll_s=0.001)
+        until("the checkpoint of step 4", (tmp_path / "checkpoints" / "step_000004").exists, poll_s=0.001)
         os.kill(pid, signal.SIGKILL)
         steps = follower.follow(lambda: rt.train("run"), started=training)
         report = finish(rt, follower)
@@ -287,15 +287,15 @@ def test_a_relay_killed_mid_broadcast_is_cut_out_and_its_successor_catches_up(tm
         _wait_version(rt, 2)
         pid = rt.relays.pids["node1"]
         os.kill(pid, signal.SIGSTOP)  # node1 forwards nothing from now on
-        _wait("a version node1 has not forwarded", lambda: _latest(rt, "node0") > _latest(rt, "node2"))
+        until("a version node1 has not forwarded", lambda: _latest(rt, "node0") > _latest(rt, "node2"))
         in_flight = _latest(rt, "node0")
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)  # mid-broadcast: node0 holds a version node2 lacks
         fault = _fault(rt, "relay", "node1")
         assert not fault["master"] and fault["chain"] == ["node0", "node2"]
-        _wait("node2 to get the version node1 had not forwarded", lambda: _latest(rt, "node2") >= in_flight)
+        until("node2 to get the version node1 had not forwarded", lambda: _latest(rt, "node2") >= in_flight)
         rollout1 = rt.workers["rollout1"]
-        _wait("rollout1 to pull through node0",
+        until("rollout1 to pull through node0",
               lambda: max(ray.get(rollout1.snapshot.remote()).counters.versions) > in_flight)
         version = _then_stop(rt, follower, training)
         report = finish(rt, follower)
@@ -316,9 +316,9 @@ def test_a_killed_master_relay_is_replaced_by_its_successor(tmp_path, ray_cluste
         os.kill(rt.relays.pids["node0"], signal.SIGKILL)
         fault = _fault(rt, "relay", "node0")
         assert fault["master"] and fault["chain"] == ["node1"]
-        _wait("a new version at the new master", lambda: _latest(rt, "node1") > at_kill)
+        until("a new version at the new master", lambda: _latest(rt, "node1") > at_kill)
         rollout0 = rt.workers["rollout0"]
-        _wait("rollout0 to pull from node1",
+        until("rollout0 to pull from node1",
               lambda: max(ray.get(rollout0.snapshot.remote()).counters.versions) > at_kill)
         version = _then_stop(rt, follower, training)
         report = finish(rt, follower)

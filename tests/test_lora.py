@@ -222,7 +222,7 @@ def test_rollouts_hold_the_trainers_merged_weights_after_a_lora_pull(tmp_path, r
                 ray.get(w.generate_groups.remote(2))
             ray.get(rt.trainer.train_once.remote())
             for w in rt.workers.values():
-                assert ray.get(w.sync_to.remote(version), timeout=60) == version
+                assert ray.get(w.sync_to.remote(version)) == version  # its own wait_timeout_s
         trained = ray.get(rt.trainer.__ray_call__.remote(lambda a: a.trainer.merged_state_dict()))
         pushed = ray.get(rt.trainer.__ray_call__.remote(lambda a: sorted(a.trainer.named_weights())))
         engines = [ray.get(w.__ray_call__.remote(

@@ -12,6 +12,7 @@ from laminar.manager.health import assign_unfinished, incarnation, overdue, recr
 from laminar.manager.manager import RolloutManager
 from laminar.pools.partials import PartialEntry
 from laminar.types import (GenerationRequest, PromptGroup, PromptItem, RolloutCounters,
+from waiting import until
                            RolloutSnapshot, Unfinished)
 
 CFG = load_config(None, ["cluster.heartbeat_s=0.5", "manager.batch_bound=8"])
@@ -340,9 +341,7 @@ def test_the_health_loop_outlives_a_failing_check():
     stop = threading.Event()
     loop = threading.Thread(target=m.run, args=(stop,))
     loop.start()
-    deadline = time.monotonic() + 10
-    while m.counters["checks"] < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    until("three checks of the manager", lambda: m.counters["checks"] >= 3, poll_s=0.01)
     stop.set()
-    loop.join(timeout=10)
+    loop.join()
     assert m.counters["check_errors"] == 2 and m.counters["checks"] >= 3

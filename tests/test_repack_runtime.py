@@ -19,6 +19,7 @@ from laminar.manager.actor import RayFleet, RayManagerPools
 from laminar.manager.manager import RolloutManager, batch_bound
 from laminar.models import EOS_ID, PAD_ID, build_preset
 from laminar.types import GenerationRequest, RolloutCounters, RolloutSnapshot, SamplingParams
+from waiting import until
 
 
 class Fleet:
@@ -200,19 +201,21 @@ def test_move_between_two_live_rollout_actors(tmp_path, ray_cluster):
         fleet = RecordingFleet(rt.workers, rt.rollout_spec, 60.0)
         m = RolloutManager(cfg, fleet, RayManagerPools(rt.pools, 60.0), None,
                            dict(rt.placement.worker_relay), False, False)
-        deadline = time.monotonic() + 90
-        while not fleet.exported:  # an export may find the source between trajectories
-            assert time.monotonic() < deadline, "rollout0 never had trajectories in flight"
-            snaps, _ = fleet.snapshots(["rollout0", "rollout1"], 10)
-            if snaps["rollout0"].num_in_flight and snaps["rollout0"].version == snaps["rollout1"].version:
+
+        def moved_once():  # an export may find the source between trajectories
+            snaps, _ = fleet.snapshots(["rollout0", "rollout1"], 60.0)
+            if len(snaps) == 2 and snaps["rollout0"].num_in_flight \
+                    and snaps["rollout0"].version == snaps["rollout1"].version:
                 m._move("rollout0", "rollout1")
-            time.sleep(0.02)
+            return fleet.exported
+
+        until("rollout0 to have trajectories in flight to move", moved_once, poll_s=0.02)
         moved = {rid: (tokens, version) for rid, tokens, version in fleet.exported}
         assert m.counters["repacks"] == 1 and m.counters["moved_trajectories"] == len(moved)
         owned = {e.request.request_id for e in ray.get(rt.pools["partials"].owned_by.remote("rollout1"))}
         done = set()
-        while len(done) < len(moved):  # the trainer's part: take complete groups, check them
-            assert time.monotonic() < deadline + 60, f"moved trajectories {set(moved) - done} never finished"
+
+        def all_finished():  # the trainer's part: take complete groups, check them
             groups = ray.get(rt.pools["buffer"].sample.remote(1, 0)) or []
             for traj in (t for g in groups for t in g if t.traj_id in moved):
                 tokens, version = moved[traj.traj_id]
@@ -220,7 +223,9 @@ def test_move_between_two_live_rollout_actors(tmp_path, ray_cluster):
                 assert traj.version == version == 0 and traj.token_versions is None
                 assert traj.response_ids[:len(tokens)] == tokens  # it went on from where it was
                 done.add(traj.traj_id)
-            time.sleep(0.05)
+            return len(done) == len(moved)
+
+        until("the moved trajectories to finish", all_finished, seen=lambda: set(moved) - done)
         src, dst = (ray.get(rt.workers[r].snapshot.remote()) for r in ("rollout0", "rollout1"))
     assert set(moved) <= owned | done  # reassigned to the peer (or already finished there)
     assert not src.held and src.counters.exported == len(moved) and dst.counters.adopted == len(moved)

@@ -13,10 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from laminar.bench.faults import kill_tree
 from laminar.pools.resume import check_lineage
+from waiting import remaining_s, until
 
 JOB = {
     "name": "resume-test", "mode": "laminar",
@@ -47,7 +49,7 @@ def _step_rows(run_dir: Path) -> int:
 def _kill_job(proc: subprocess.Popen) -> int:
     """SIGKILL the driver and every process under it; returns how many."""
     n = kill_tree(proc.pid)
-    proc.wait(timeout=30)
+    proc.wait(timeout=60)
     return n
 
 
@@ -64,19 +66,20 @@ def test_a_job_killed_three_times_resumes_and_trains_every_group_exactly_once(tm
         log = (tmp_path / f"round{round_}.log").open("w")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         target = before + rng.randint(1, 3)  # updates this incarnation makes before its kill
-        deadline = time.monotonic() + 240
-        while _step_rows(run_dir) < target:
+
+        def reached(proc=proc, round_=round_, target=target):
             assert proc.poll() is None, f"round {round_} ended early:\n" + \
                 (tmp_path / f"round{round_}.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, f"round {round_} made no progress"
-            time.sleep(0.05)
+            return _step_rows(run_dir) >= target
+        until(f"round {round_} to reach update {target}", reached,
+              seen=lambda: f"{_step_rows(run_dir)} updates")
         time.sleep(rng.uniform(0.0, 0.5))  # anywhere in the next update: mid-step, mid-push
         jobs.append(json.loads((run_dir / "job.json").read_text())["job"])
         kills.append((_step_rows(run_dir), _kill_job(proc)))
         assert all(n > 5 for _, n in kills)  # the driver, Ray's processes and the actors
         cmd = [*LAMINAR, "resume", str(run_dir)]
 
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=remaining_s())
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert out.count("resume: model from version") == 1 and "exactly-once check: passed" in out
@@ -135,16 +138,15 @@ def test_a_deterministic_run_killed_and_resumed_ends_with_the_uninterrupted_mode
             for target in sorted(rng.sample(range(2, 11), 3)):  # kill after that many updates
                 log = tmp_path / f"incarnation{len(summaries)}.log"
                 proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-                deadline = time.monotonic() + 240
-                while _step_rows(run_dir) < target:
-                    assert proc.poll() is None and time.monotonic() < deadline
-                    time.sleep(0.01)
+                until(f"update {target}", lambda proc=proc, target=target: _step_rows(run_dir) >= target
+                      if proc.poll() is None else pytest.fail(f"the job ended early:\n{log.read_text()[-3000:]}"),
+                      poll_s=0.01)
                 time.sleep(rng.uniform(0.0, 0.3))
                 _kill_job(proc)
                 summaries += [line for line in log.read_text().splitlines() if line.startswith("resume: ")]
                 summaries.append(f"killed after {target} updates")
                 cmd = [*LAMINAR, "resume", str(run_dir)]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=remaining_s())
         out = done.stdout + done.stderr
         assert done.returncode == 0 and "exactly-once check: passed" in out, out[-3000:]
         summaries += [line for line in out.splitlines() if line.startswith("resume: ")]

@@ -5,7 +5,6 @@ interrupt, export/adopt, and a finished trajectory carrying the version that gen
 from __future__ import annotations
 
 import copy
-import time
 from functools import partial
 
 import pytest
@@ -25,6 +24,7 @@ from laminar.rollout.loop import RolloutLoop
 from laminar.rollout.policy import LoopState
 from laminar.rollout.requests import sampling_params
 from laminar.tasks import build_task
+from waiting import stepping
 
 OVERRIDES = ["sft.enabled=false", "task.reverse.max_len=6", "rollout.max_new_tokens=7",
              "rollout.group_size=2", "rollout.batch_groups=2", "rollout.stream_every=2",
@@ -71,11 +71,8 @@ class World:
         return [t for g in self.buffer.complete for t in g]
 
 
-def step_until(loop: RolloutLoop, done, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, "the loop did not get there"
-        loop.step() or time.sleep(0.001)  # puts are batched every FLUSH_S
+def step_until(loop: RolloutLoop, done) -> None:
+    stepping(f"loop {loop.id} to get there", loop.step, done)  # puts are batched every FLUSH_S
 
 
 # ------------------------------------------------------------------------- policies, pure

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -15,6 +14,7 @@ from laminar.tasks import build_task
 from laminar.tasks.dataset import load_dataset
 from laminar.tasks.reverse import make_prompts, sample_lengths
 from laminar.tasks.rewards import exact_match, lcs_length, resolve_reward, score, similarity
+from waiting import until
 
 
 def test_lcs_and_similarity_by_hand():
@@ -161,10 +161,8 @@ def test_a_reward_file_beside_the_config_is_found_from_any_folder(tmp_path, monk
     pool = RewardPool(cfg.task.reward, 1, timeout_s=30.0, retries=0)  # a fresh interpreter
     try:
         call = pool.submit("p", "ab", "ba")
-        deadline = time.monotonic() + 60
-        while not call.done and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert call.done and call.failed is None and call.reward == 0.25
+        until("the reward call", lambda: call.done, poll_s=0.01)
+        assert call.failed is None and call.reward == 0.25
     finally:
         pool.close()
     (elsewhere / "other.py").write_text("def score(p, r, a):\n    return 0.5\n")

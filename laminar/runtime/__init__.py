@@ -26,10 +26,24 @@ The driver API, the same for both:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from laminar.config import Config
 from laminar.rollout.policy import Policy
+
+
+# What the Ray processes this one starts inherit, unless the user set it. Ray runs every worker
+# at nice 15 by default: on a machine shared with any process at normal priority, the whole job
+# (the trainer too) then gets about a 28th of that process's CPU share, while the driver, which
+# only follows, keeps full priority. laminar's workers run at the driver's priority; rollouts
+# still yield to the trainer by rollout.cpu_nice.
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0"}
+
+
+def ray_env_defaults() -> None:
+    for key, value in RAY_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 class TrainerRestarted(RuntimeError):

@@ -30,7 +30,7 @@ import ray
 
 from laminar.config import Config
 from laminar.rollout.policy import Policy
-from laminar.runtime import TrainerRestarted
+from laminar.runtime import TrainerRestarted, ray_env_defaults
 from laminar.runtime.placement import place
 from laminar.runtime.relays import alive_nodes, pin
 from laminar.types import RolloutSnapshot
@@ -228,7 +228,7 @@ class ClusterRuntime:
 
         if ray.is_initialized():
             return
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray_env_defaults()
         address = self.cfg.cluster.address
         if address and address not in ("auto", "local"):
             client = address.startswith("ray://")
@@ -335,7 +335,7 @@ class ClusterRuntime:
         manager = self.manager_stats()
         joined = sorted(set(manager["workers"]) - set(self.workers))
         if joined:  # the manager started them in place of dead ones
-            self.workers |= ray.get(self.manager.rollouts.remote(joined), timeout=60)
+            self.workers |= ray.get(self.manager.rollouts.remote(joined), timeout=self.cfg.cluster.wait_timeout_s)
         dead = set(manager["dead"])
         return {w: h for w, h in self.workers.items() if w not in dead}
 
@@ -346,12 +346,12 @@ class ClusterRuntime:
         return [w.generate_groups.remote(n) for w, n in zip(workers, share) if n]
 
     def ready_groups(self) -> int:
-        return ray.get(self.pools["buffer"].counts.remote(), timeout=60)["ready_groups"]
+        return ray.get(self.pools["buffer"].counts.remote(), timeout=self.cfg.cluster.wait_timeout_s)["ready_groups"]
 
     def untrained_groups(self) -> int:
         """Groups leased or complete that the trainer has not taken: after a resume, the batch
         the killed job was generating (a global-batch schedule generates only the rest)."""
-        return ray.get(self.pools["prompts"].untrained.remote(), timeout=60)
+        return ray.get(self.pools["prompts"].untrained.remote(), timeout=self.cfg.cluster.wait_timeout_s)
 
     def sync_weights(self, version: int) -> None:
         """Every rollout gets to `version` before anyone goes on (its policy says what becomes
@@ -454,7 +454,7 @@ class ClusterRuntime:
         time.sleep(seconds)  # the loops run in their own threads
 
     def manager_stats(self) -> dict[str, Any]:
-        return ray.get(self.manager.stats.remote(), timeout=60)
+        return ray.get(self.manager.stats.remote(), timeout=self.cfg.cluster.wait_timeout_s)
 
     def finish(self) -> dict[str, Any]:
         """Stop the manager and every rollout loop (what reached the buffer is confirmed first);

@@ -44,6 +44,7 @@ from typing import Any
 
 import psutil
 
+from laminar.runtime import RAY_ENV
 from laminar.runtime.netns import Netns
 
 STATE_ROOT = Path(os.environ.get("LAMINAR_CLUSTER_DIR", "/var/tmp/laminar-clusters"))
@@ -177,7 +178,7 @@ class NamespacedCluster:
         return self.state
 
     def _ray_env(self) -> dict[str, str]:
-        return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        return {**RAY_ENV, **os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
     def _common(self) -> list[str]:
         return ["--num-cpus", str(self.cpus), "--object-store-memory", str(self.object_store),
