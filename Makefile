@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install bench clean
+.PHONY: run test test-under-load install bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The same suite while HOGS busy-loop processes at normal priority (default: one per core) keep
+# every core busy for the whole run (tests/conftest.py --cpu-hog; docs/testing.md).
+HOGS ?= $(shell nproc)
+test-under-load: $(STAMP)
+	$(BIN)/python -m pytest -q --cpu-hog=$(HOGS)
 
 # Every benchmark at full size (engine, relay, simulator grid, modes: bench modes is most of the
 # time, about 75 minutes; faults about 6; multinode about 11, needs root), then the index docs/results/README.md. Before bench modes, the

@@ -12,8 +12,8 @@ from laminar.manager.health import assign_unfinished, incarnation, overdue, recr
 from laminar.manager.manager import RolloutManager
 from laminar.pools.partials import PartialEntry
 from laminar.types import (GenerationRequest, PromptGroup, PromptItem, RolloutCounters,
-from waiting import until
                            RolloutSnapshot, Unfinished)
+from waiting import until
 
 CFG = load_config(None, ["cluster.heartbeat_s=0.5", "manager.batch_bound=8"])
 GROUP = PromptGroup("g0", PromptItem(0, "ab=", "ba"), [1, 5, 6], 2)
