@@ -39,7 +39,7 @@ TINY = ["sft.enabled=false", "task.reverse.max_len=12", "rollout.max_new_tokens=
         "rollout.engine.max_batch_size=8", "cluster.wait_timeout_s=120",
         "cluster.heartbeat_s=2", "manager.interval_s=0.2", "mode=laminar",
         "rollout.max_outstanding_batches=2", "trainer.total_steps=500"]
-RELAYS = ["relay.heartbeat_s=0.2", "relay.timeout_s=3", "relay.chunk_bytes=65536"]
+RELAYS = ["relay.heartbeat_s=0.2", "relay.chunk_bytes=65536"]  # a killed relay is noticed at once
 
 
 def _runtime(cfg):

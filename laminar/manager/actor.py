@@ -56,18 +56,26 @@ class RayFleet:
     def __init__(self, handles: dict[str, Any], spec: RolloutSpec, timeout_s: float) -> None:
         self.handles, self.spec, self.timeout_s = dict(handles), spec, timeout_s
         self.starting: dict[str, tuple[Any, Any, float]] = {}  # id -> (handle, first snapshot, since)
+        self.asking: dict[str, Any] = {}  # id -> its snapshot call not answered yet
 
     def snapshots(self, ids: list[str], timeout_s: float) -> tuple[dict[str, RolloutSnapshot], list[str]]:
-        refs = {r: self.handles[r].snapshot.remote() for r in ids if r in self.handles}
+        """The rollouts' answers within `timeout_s`, and the rollouts whose process is gone. A
+        call still unanswered then is kept, not dropped: the next check waits on the same call,
+        so a rollout that answers late (a busy machine) is seen when its answer comes, and only
+        one that answers nothing for the manager's limit counts as hung."""
+        refs = {r: self.asking.get(r) or self.handles[r].snapshot.remote() for r in ids if r in self.handles}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         done = set(ready)
         snaps, gone = {}, []
         for r, ref in refs.items():
-            if ref in done:
-                try:
-                    snaps[r] = ray.get(ref)
-                except ray.exceptions.RayActorError:
-                    gone.append(r)
+            if ref not in done:
+                self.asking[r] = ref
+                continue
+            self.asking.pop(r, None)
+            try:
+                snaps[r] = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                gone.append(r)
         return snaps, gone
 
     def export(self, rollout_id: str) -> list[Unfinished]:
@@ -93,6 +101,7 @@ class RayFleet:
 
     def drop(self, rollout_id: str) -> None:
         handle = self.handles.pop(rollout_id)
+        self.asking.pop(rollout_id, None)
         try:
             ray.kill(handle, no_restart=True)
         except Exception:
