@@ -32,7 +32,7 @@ JOB = {
                 "env_latency": {"enabled": True, "median_s": 0.2, "sigma": 0.5, "max_s": 1.0}},
     "cluster": {"virtual_nodes": 2, "wait_timeout_s": 120, "heartbeat_s": 1.0, "num_cpus": 4},
     "manager": {"interval_s": 0.2},
-    "trainer": {"prompts_per_step": 4, "threads": 1, "total_steps": 30, "checkpoint_every": 3,
+    "trainer": {"prompts_per_step": 4, "threads": 1, "total_steps": 15, "checkpoint_every": 3,
                 "eval_every": 0},
     "metrics": {"live": False},
 }
