@@ -20,6 +20,7 @@ import signal
 import time
 from collections import Counter
 
+import pytest
 import ray
 import torch
 
@@ -207,6 +208,7 @@ def _kill_the_trainer_at(rt, version):
     return follower, follower.follow(lambda: rt.train("run"), started=training)
 
 
+@pytest.mark.slow  # the LoRA and right-after-a-checkpoint kills below cover the restart
 def test_a_killed_trainer_restarts_from_its_checkpoint_and_loses_no_data(tmp_path, ray_cluster):
     cfg = load_config(None, TINY + [f"run_dir={tmp_path}", "trainer.total_steps=6",
                                     "trainer.checkpoint_every=2"])

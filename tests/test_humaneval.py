@@ -218,6 +218,7 @@ def test_env_pickles_mid_episode():
     assert run(moved.step(load()["HumanEval/2"]["canonical_solution"])).reward == 1.0
 
 
+@pytest.mark.slow  # repeats a path the default suite covers (docs/testing.md)
 @needs_he
 def test_five_steps_train_end_to_end_on_ray(tmp_path, ray_cluster):
     """Real actors, engine, trainer and relays on the tiny model: every completion is run

@@ -204,6 +204,7 @@ TINY = ["sft.enabled=false", "task.reverse.max_len=8", "rollout.max_new_tokens=9
         "task.eval_prompts=4", "trainer.lr=1e-2", *LORA]
 
 
+@pytest.mark.slow  # repeats a path the default suite covers (docs/testing.md)
 def test_rollouts_hold_the_trainers_merged_weights_after_a_lora_pull(tmp_path, ray_cluster):
     """Ray rollouts on two virtual nodes (one through the relay chain) pull adapter-only
     versions; each engine then holds exactly the trainer's merged weights (the adapted layers:
@@ -240,6 +241,7 @@ def test_rollouts_hold_the_trainers_merged_weights_after_a_lora_pull(tmp_path, r
                 assert torch.equal(weights[name], base[name]), name
 
 
+@pytest.mark.slow  # repeats a path the default suite covers (docs/testing.md)
 def test_a_lora_job_runs_end_to_end_exactly_once(tmp_path, ray_cluster):
     """`laminar train` with trainer.lora (laminar mode, Ray, relays): the run finishes, every
     group is trained exactly once, and its checkpoint holds the merged model, the adapter and

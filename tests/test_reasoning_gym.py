@@ -188,6 +188,7 @@ def test_example_config_parses_and_its_prompts_fit():
     assert max(len(i.prompt) for i in task.train) + cfg.rollout.max_new_tokens < 1024
 
 
+@pytest.mark.slow  # repeats a path the default suite covers (docs/testing.md)
 @needs_rg
 def test_five_steps_train_end_to_end_on_ray(tmp_path, ray_cluster):
     """Real actors, engine, trainer and relays on the tiny model: every trajectory is scored by

@@ -1,19 +1,45 @@
 """Rollout inference engines: the native continuous-batching `Engine` and the static-batch
 `HFEngine` baseline on `transformers.generate`. Same `generate(requests)` call for both;
-`build_engine` picks one as `rollout.engine` says."""
+`build_engine` picks one as `rollout.engine` says.
+
+The engines are imported when first used, not with the package: `laminar.engine.knee`'s cache
+reader runs in the rollout manager, which never imports torch (about 4 s of CPU and 300 MB at
+every start)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from laminar.config import EngineConfig
-from laminar.engine.engine import Engine
-from laminar.engine.hf import HFEngine
+
+if TYPE_CHECKING:
+    from laminar.engine.engine import Engine
+    from laminar.engine.hf import HFEngine
 
 
 def build_engine(cfg: EngineConfig, model, eos_token_id: int, pad_token_id: int, version: int = 0,
                  seed: int = 0) -> Engine | HFEngine:
     if cfg.backend == "hf":
+        from laminar.engine.hf import HFEngine  # torch, transformers
+
         return HFEngine(model, eos_token_id, pad_token_id, max_batch_size=cfg.max_batch_size,
                         version=version)
+    from laminar.engine.engine import Engine  # torch
+
     return Engine(model, eos_token_id, pad_token_id, max_batch_size=cfg.max_batch_size,
                   kv_capacity_tokens=cfg.kv_capacity_tokens, version=version, seed=seed)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Engine":
+        from laminar.engine.engine import Engine
+
+        return Engine
+    if name == "HFEngine":
+        from laminar.engine.hf import HFEngine
+
+        return HFEngine
+    raise AttributeError(f"module 'laminar.engine' has no attribute {name!r}")
 
 
 __all__ = ["Engine", "HFEngine", "build_engine"]

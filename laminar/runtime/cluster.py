@@ -22,7 +22,7 @@ import os
 import secrets
 import time
 import uuid
-from functools import cached_property, partial
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +70,9 @@ class ClusterRuntime:
     def start(self) -> None:
         from laminar.manager.actor import ManagerActor
         from laminar.models.builder import load_tokenizer
-        from laminar.models.tokenizer import encode_prompt
         from laminar.pools.experience import ExperienceBuffer
         from laminar.pools.partials import PartialPool
-        from laminar.pools.prompts import PromptPool, PromptSampler
+        from laminar.pools.prompts import PromptEncoder, PromptPool, PromptSampler
         from laminar.runtime.relays import RelayGroup
         from laminar.tasks import build_task
         from laminar.trainer.actor import TrainerActor, start_trainer_group
@@ -84,7 +83,7 @@ class ClusterRuntime:
         self.job = uuid.uuid4().hex[:8]
         tokenizer = load_tokenizer(self.model_dir)
         self.task = task = build_task(cfg.task, cfg.sandbox)
-        sampler = PromptSampler(task.train, partial(encode_prompt, tokenizer), cfg.rollout.group_size,
+        sampler = PromptSampler(task.train, PromptEncoder.of(tokenizer), cfg.rollout.group_size,
                                 seed=cfg.task.seed)
         # named, so that a restarted trainer finds them by name
         self.names = {k: f"laminar-{self.job}-{k}" for k in ("prompts", "partials", "buffer", "trainer")}
