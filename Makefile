@@ -21,13 +21,13 @@ run: $(STAMP)
 	$(BIN)/laminar train examples/reverse.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The same suite while HOGS busy-loop processes at normal priority (default: one per core) keep
 # every core busy for the whole run (tests/conftest.py --cpu-hog; docs/testing.md).
 HOGS ?= $(shell nproc)
 test-under-load: $(STAMP)
-	$(BIN)/python -m pytest -q --cpu-hog=$(HOGS)
+	$(BIN)/python -m pytest -q --durations=25 --cpu-hog=$(HOGS)
 
 # Every benchmark at full size (engine, relay, simulator grid, modes: bench modes is most of the
 # time, about 75 minutes; faults about 6; multinode about 11, needs root), then the index docs/results/README.md. Before bench modes, the
