@@ -2,9 +2,8 @@
 `HFEngine` baseline on `transformers.generate`. Same `generate(requests)` call for both;
 `build_engine` picks one as `rollout.engine` says.
 
-The engines are imported when first used, not with the package: `laminar.engine.knee`'s cache
-reader runs in the rollout manager, which never imports torch (about 4 s of CPU and 300 MB at
-every start)."""
+The engines (torch) are imported when first used, not with the package, so that importing
+`laminar.engine.knee` for its cache reader (the rollout manager calls it) costs no torch."""
 
 from __future__ import annotations
 
