@@ -62,3 +62,27 @@ def test_the_audit_is_written_before_the_checkpoint_that_holds_it(tmp_path):
     lines = (tmp_path / "trajectories.jsonl").read_text().splitlines()
     assert len(lines) == 4 and newest_checkpoint(tmp_path).name == "step_000002"
     assert buffer.counts()["taken_groups"] == 0  # acknowledged by the checkpoint at 2
+
+
+class DiesAfterPushing(BoardPush):
+    """The push completes at the relay, then the trainer process dies (before anything else)."""
+
+    def push(self, named, version):
+        super().push(named, version)
+        raise SystemExit("killed right after the master relay completed the version")
+
+
+def test_a_version_number_is_never_reused_after_a_kill_right_after_its_push(tmp_path):
+    """Under load a trainer was killed after the master relay had completed version N but before
+    N was recorded as published; restarted, it numbered on from N - 1 and pushed other weights
+    as N, a number the relays held already. The number is recorded before the push now."""
+    cfg, buffer, service = _service(tmp_path)
+    board = WeightBoard()
+    service.weights = DiesAfterPushing(board)
+    buffer.put_many(_group("g0"))
+    with pytest.raises(SystemExit):
+        service.train_once()
+    assert board.version == 1
+    restarted = TrainerService(cfg, str(tmp_path / "model"), service.data, BoardPush(board),
+                               restarted=True)
+    assert restarted.trainer.version == 1  # numbers on after version 1: its next push is 2

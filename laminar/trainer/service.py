@@ -134,12 +134,15 @@ class TrainerService:
         return self.trainer.version
 
     def publish(self) -> float:
-        """Publish the current weights; returns the stall in seconds."""
-        stall = self.trainer.push(self.weights, self.trainer.version, self.cfg.relay.chunk_bytes)
+        """Publish the current weights; returns the stall in seconds. The version number is
+        recorded as taken before the push: a trainer killed after the master relay completed
+        the version, but before recording it, numbered on from the one before after its restart
+        and pushed other weights under a number the relays held already (seen under load: the
+        rollouts then never got a newer version)."""
         tmp = self._state_file.with_suffix(".tmp")  # atomic: a kill never leaves half a file
         tmp.write_text(json.dumps({"published": self.trainer.version}))
         os.replace(tmp, self._state_file)
-        return stall
+        return self.trainer.push(self.weights, self.trainer.version, self.cfg.relay.chunk_bytes)
 
     @property
     def _state_file(self) -> Path:
