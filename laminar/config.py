@@ -455,11 +455,8 @@ class RelayConfig(Section):
     shm_dir: str = Field("/dev/shm", description="tmpfs directory holding the versions.")
     heartbeat_s: float = Field(1.0, gt=0.0, description="Ping period on idle links and of the "
                                "relay group's heartbeat checks.")
-    timeout_s: float = Field(30.0, gt=0.0, description="A relay that makes no progress for this "
-                             "long (connect, handshake, send, ping) is declared dead and cut out. "
-                             "A killed relay is noticed at once (its sockets close); this is for "
-                             "a hung one, and is generous so that a busy machine's late answer is "
-                             "not a death.")
+    timeout_s: float = Field(5.0, gt=0.0, description="A relay that makes no progress for this "
+                             "long (connect, handshake, send, ping) is declared dead and cut out.")
     transport: Literal["tcp"] = Field("tcp", description="Relay-to-relay transport.")
     @model_validator(mode="after")
     def _timeout_after_heartbeat(self) -> "RelayConfig":
