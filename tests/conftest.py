@@ -13,7 +13,9 @@ import sys
 import pytest
 from waiting import _test_clock  # noqa: F401  (every test's deadline starts with it)
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+from laminar.runtime import ray_env_defaults
+
+ray_env_defaults()  # what a job laminar starts gives its Ray processes (nice 0, no auth)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # A busy loop at normal priority: one process keeps one core busy for as long as it lives.
@@ -25,14 +27,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--cpu-hog", type=int, default=0, metavar="N",
         help="run N busy-loop processes at normal priority for the whole session (the load "
-             "harness: `make test-under-load` runs 2 per core)")
+             "harness: `make test-under-load` runs one per core)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     n = config.getoption("--cpu-hog")
     if n < 0:
         raise pytest.UsageError(f"--cpu-hog={n}: give a number of busy-loop processes >= 0")
-    # the workers see it too: the processes they start (sandboxes, trainer ranks) are not hogs
     for _ in range(n):
         _hogs.append(subprocess.Popen([sys.executable, "-c", HOG], stdin=subprocess.DEVNULL))
 
@@ -67,10 +68,7 @@ def ray_cluster():
     """A real embedded Ray cluster, shared by every test that asks for it."""
     import ray
 
-    from laminar.runtime import ray_env_defaults
-
     if not ray.is_initialized():
-        ray_env_defaults()
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True,
                  configure_logging=False)
     yield ray

@@ -3,8 +3,9 @@ never on a fixed sleep or a tight per-call timeout that a busy machine can excee
 
     until(what, condition, seen=None)  -> condition's first truthy value
     answer(ref, what)                  -> ray.get(ref), waiting on the same deadline
+    stepping(what, step, done)         -> drive a Ray-free component by hand until done
 
-Both share one generous deadline per test (TEST_DEADLINE_S from the test's start, below
+All three share one generous deadline per test (TEST_DEADLINE_S from the test's start, below
 pytest-timeout's 600 s so that our message is the one printed): it fires only on a real hang,
 and then says what the test was waiting for and what it saw last.
 """
