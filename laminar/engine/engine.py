@@ -45,6 +45,8 @@ NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 class Engine:
+    backend = "native"
+
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
                  max_batch_size: int = 64, kv_capacity_tokens: int = 16384, version: int = 0,
                  seed: int = 0) -> None:
@@ -238,6 +240,9 @@ class Engine:
                 target.copy_(tensor)
         self.runner.refresh()
         self.version = version
+
+    def close(self) -> None:
+        """Nothing to free beyond what garbage collection does (the protocol's close)."""
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -1,0 +1,73 @@
+"""What a rollout engine is to the rest of laminar: the `RolloutEngine` protocol.
+
+The rollout loop, the evaluator, the relay client, LoRA merging, the repack trigger and the
+benchmarks use an engine only through these members; nothing outside `laminar/engine/` reaches
+into an engine's model, scheduler or sequences. Backends: `native` (laminar/engine/engine.py,
+the reference), `vllm` (laminar/engine/vllm_engine.py), `hf` (benchmark baseline only).
+
+The request object is the record of progress. `add(request)` hands a `GenerationRequest` to the
+engine; until it finishes or is aborted, the engine is the only writer of its `output_ids`,
+`logprobs` (the log-prob of each token under the distribution it was sampled from: after
+temperature, top-k and top-p) and `token_versions` (the weight version that generated each
+token), and sets `version` (at admission) and `finish_reason` (at the end). Callers read these
+fields at any time and never write them while the request is inside. `abort` hands requests
+back unfinished; adding such a request again, to this engine or another one holding the same
+weights, resumes it by re-prefilling prompt + output (greedy continuations are identical).
+
+Versions: `load_weights(named, version)` swaps weights in place (never by restarting the
+engine); names are the trainer's `state_dict()` names. Requests admitted afterwards are stamped
+with `version`. An engine must not serve anything computed with older weights after a load (a
+prefix cache is reset). It refuses while a request holding tokens of the current version is in
+flight, unless `force` (partial mode: continue them on the new weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from laminar.types import EngineStats, GenerationRequest, TokenDelta
+
+if TYPE_CHECKING:
+    import torch
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    backend: str  # "native", "vllm" or "hf": the name step rows carry as engine_backend
+    version: int  # weight version loaded now; stamped on requests admitted from now on
+    max_batch_size: int  # most sequences decoded together (the scheduler's limit)
+    kv_capacity_tokens: int  # KV-cache capacity in tokens, all requests together
+    num_generated_tokens: int  # tokens generated since the engine started
+    num_reprefill_tokens: int  # context tokens of resumed requests prefilled again
+    reprefill_s: float  # the time those re-prefills cost (their token share of the steps)
+
+    def add(self, request: GenerationRequest) -> None:
+        """Queue a request: new, or a resume when `output_ids` is non-empty."""
+        ...
+
+    def step(self) -> list[TokenDelta]:
+        """Advance every running request by (usually) one token; the deltas of this step."""
+        ...
+
+    def abort(self, ids: list[str]) -> list[GenerationRequest]:
+        """Remove requests (running or waiting) and return them unfinished; unknown ids skip."""
+        ...
+
+    def has_unfinished(self) -> bool:
+        ...
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+        """Run every request to its end; returns them (same objects, same order)."""
+        ...
+
+    def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                     version: int, force: bool = False) -> None:
+        ...
+
+    def stats(self) -> EngineStats:
+        """Running/waiting counts and KV used/capacity, from the backend's own scheduler."""
+        ...
+
+    def close(self) -> None:
+        """Free the engine's memory and processes; the engine is unusable afterwards."""
+        ...
