@@ -19,11 +19,17 @@ engine); names are the trainer's `state_dict()` names. Requests admitted afterwa
 with `version`. An engine must not serve anything computed with older weights after a load (a
 prefix cache is reset). It refuses while a request holding tokens of the current version is in
 flight, unless `force` (partial mode: continue them on the new weights).
+
+Who builds engines: `laminar.engine.build_engine` (one factory, by `rollout.engine.backend`).
+Outside `laminar/engine/`, a rollout gets an `EngineFactory` (laminar/rollout/build.py) that
+builds a fresh engine of the run's backend on the run's starting weights; an evaluator builds its
+own with it and loads the versions it evaluates through the weight source, never by asking
+another engine for its weights (a vLLM engine cannot hand them out cheaply).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from laminar.types import EngineStats, GenerationRequest, TokenDelta
@@ -31,9 +37,12 @@ from laminar.types import EngineStats, GenerationRequest, TokenDelta
 if TYPE_CHECKING:
     import torch
 
+NamedTensors = Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    backend: str  # "native", "vllm" or "hf": the name step rows carry as engine_backend
+    backend: str  # "native" or "vllm": the name step rows carry as engine_backend
     version: int  # weight version loaded now; stamped on requests admitted from now on
     max_batch_size: int  # most sequences decoded together (the scheduler's limit)
     kv_capacity_tokens: int  # KV-cache capacity in tokens, all requests together
@@ -60,8 +69,10 @@ class RolloutEngine(Protocol):
         """Run every request to its end; returns them (same objects, same order)."""
         ...
 
-    def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                     version: int, force: bool = False) -> None:
+    def load_weights(self, named_tensors: NamedTensors, version: int, force: bool = False) -> None:
+        """Swap weights in place (names: the trainer's `state_dict()`); stamp `version` on
+        requests admitted from now on. Refuses while requests of the current version are in
+        flight, unless `force`."""
         ...
 
     def stats(self) -> EngineStats:
@@ -71,3 +82,14 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Free the engine's memory and processes; the engine is unusable afterwards."""
         ...
+
+
+class WeightTarget(Protocol):
+    """What a weight source loads a version into: a `RolloutEngine`, or a stand-in in front of
+    one (the LoRA merge of laminar/engine/lora.py, which turns adapters into full weights first)."""
+
+    def load_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        ...
+
+
+EngineFactory = Callable[[], RolloutEngine]  # a fresh engine on the run's starting weights
