@@ -25,6 +25,10 @@ gets its version (`request.version`, kept from then on) and every token it gener
 with the version that made it (`request.token_versions`, parallel to `output_ids`). It refuses while a
 request that already has tokens from the loaded weights is in the engine, unless forced; a forced
 swap lets in-flight requests continue on their cached keys and values.
+
+`Engine` is the reference `RolloutEngine` (protocol.py). Its `model`, `runner` and `scheduler`
+are internals: engine-side code and engine tests may read them; nothing outside
+`laminar/engine/` does.
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ until its longest member finishes (the static-batching cost on long tails). Per-
 come from the processed scores, i.e. under the sampling distribution (temperature, top-k, top-p),
 which is the behaviour policy the PPO ratio needs. Per-request seeds are not supported here
 (one `generate` call shares one RNG); the native engine has them.
+
+Not a `RolloutEngine` (laminar/engine/protocol.py): a static batch cannot admit a request while
+another decodes, so there is no `add`/`step`/`abort`, and no KV accounting for `stats`. It offers
+`generate` and `load_weights` (a `WeightTarget`), which is what benchmarks and offline
+evaluation use; training refuses `rollout.engine.backend: hf` (config.py).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from laminar.types import GenerationRequest, SamplingParams
 
 
 class HFEngine:
+    backend = "hf"
+
     def __init__(self, model: PreTrainedModel, eos_token_id: int, pad_token_id: int,
                  max_batch_size: int = 64, version: int = 0) -> None:
         self.model = model.eval()
@@ -38,6 +45,9 @@ class HFEngine:
                 if name in params:
                     params[name].copy_(torch.as_tensor(tensor))
         self.version = version
+
+    def close(self) -> None:
+        """Nothing to free beyond what garbage collection does."""
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationRequest]:
         """Finish every request; returns them (same objects, same order) with outputs filled."""

@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,6 +43,9 @@ from laminar.relay.reader import ShmReader, Snapshot
 from laminar.relay.store import WeightStore
 from laminar.relay.transport import ROLE_CONTROL, ROLE_FEED, Link, LinkError, connect, make_transport
 from laminar.relay.version import VersionHeader, checksums, layout, write_header
+
+if TYPE_CHECKING:
+    from laminar.engine.protocol import WeightTarget
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -264,21 +267,23 @@ class Puller:
         snap = self.reader.open_latest(newer_than)
         return PulledVersion(snap) if snap is not None else None
 
-    def pull_latest(self, target: Any, newer_than: int | None = None, force: bool = False) -> int | None:
+    def pull_latest(self, target: WeightTarget | torch.nn.Module, newer_than: int | None = None,
+                    force: bool = False) -> int | None:
         """Copy the newest version into `target` if it is newer than `newer_than` (default: than
-        what this puller last delivered); `force` copies it in any case. `target` is an engine
-        with `load_weights(named_tensors, version)` or a torch module. Returns the version, or
-        None when nothing newer is there."""
+        what this puller last delivered); `force` copies it in any case. `target` is a torch
+        module (its `state_dict()` is overwritten, same names) or a `WeightTarget` (a rollout
+        engine, or the LoRA merge in front of one: `load_weights(named, version)`). Returns the
+        version, or None when nothing newer is there."""
         floor = None if force else newer_than if newer_than is not None else self.version
         pulled = self.open_latest(floor)
         if pulled is None:
             return None
         with pulled:
             named = pulled.named_tensors()
-            if hasattr(target, "load_weights"):
-                target.load_weights(named, pulled.version)
-            else:
+            if isinstance(target, torch.nn.Module):
                 copy_into_module(target, named)
+            else:
+                target.load_weights(named, pulled.version)
             del named
         self.version = pulled.version
         return pulled.version
