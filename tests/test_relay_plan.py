@@ -2,7 +2,7 @@
 
 import pytest
 
-from laminar.relay.plan import ChainPlan, RelayInfo, build_chain, choose_master, join, repair
+from laminar.relay.plan import ChainPlan, RelayInfo, build_chain, choose_master, join, repair, to_cut
 
 
 def relays(n: int) -> list[RelayInfo]:
@@ -65,3 +65,15 @@ def test_bad_plans_are_rejected_with_the_offending_ids():
         ChainPlan(("a", "b"), {"a": RelayInfo("a", "h", 1)})
     with pytest.raises(ValueError, match="master 'x'"):
         build_chain(relays(2), master="x")
+
+
+def test_a_health_check_cuts_the_gone_and_the_silent_but_never_the_last_relay():
+    order = ["r0", "r1", "r2"]
+    assert to_cut(order, gone=["r1"], silent=[]) == ["r1"]
+    assert to_cut(order, gone=["r2"], silent=["r0"]) == ["r0", "r2"]  # the rest still has r1
+    # the only relay went silent (a loaded machine): cutting it would strand every rollout
+    assert to_cut(["r0"], gone=[], silent=["r0"]) == []
+    # all silent or gone: the gone go, the silent stay
+    assert to_cut(order, gone=["r0"], silent=["r1", "r2"]) == ["r0"]
+    assert to_cut(order, gone=order, silent=[]) == order  # nothing left to keep: they are dead
+    assert to_cut(order, gone=[], silent=["nope"]) == []  # not in the chain

@@ -5,6 +5,7 @@
     plan = repair(plan, "r2")      # r2 died: its predecessor now feeds its successor
     plan = repair(plan, plan.master)   # the master died: its successor becomes master
     plan = join(plan, RelayInfo("r9", ...))   # a late joiner goes to the tail
+    to_cut(plan.order, gone=["r2"], silent=["r4"])   # which relays a health check cuts out
 
 A plan is an ordered chain of relays, master first, plus an epoch that grows with every change
 so a relay can tell a newer plan from an older one. `repair` changes exactly one link (the dead
@@ -130,3 +131,17 @@ def join(plan: ChainPlan, relay: RelayInfo) -> ChainPlan:
     if relay.id in plan.relays:
         raise ValueError(f"relay '{relay.id}' is already in the chain {list(plan.order)}")
     return ChainPlan(plan.order + (relay.id,), {**plan.relays, relay.id: relay}, plan.epoch + 1)
+
+
+def to_cut(order: Iterable[str], gone: Iterable[str], silent: Iterable[str]) -> list[str]:
+    """Which relays to cut out of the chain: every relay whose process is `gone`, and those that
+    went `silent` (answered no heartbeat for a while) unless cutting them would leave no relay
+    at all. A silent relay may only be slow (a loaded machine); its versions still reach its
+    rollouts through shared memory. An empty chain reaches nobody: the trainer has no master to
+    push to and every rollout keeps its last version for good. So the last relays standing
+    stay, silent or not, in chain order."""
+    order, gone = list(order), set(gone)
+    silent = [r for r in order if r in set(silent) and r not in gone]
+    if all(r in gone or r in silent for r in order):
+        return [r for r in order if r in gone]
+    return [r for r in order if r in gone or r in silent]

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 
 from laminar.config import ConfigError, RelayConfig
-from laminar.relay.plan import ChainPlan, RelayInfo, repair
+from laminar.relay.plan import ChainPlan, RelayInfo, repair, to_cut
 from laminar.relay.relay import Relay, segment_prefix
 from laminar.relay.store import cleanup
 
@@ -216,26 +216,31 @@ class RelayGroup:
         return dead
 
     def find_dead(self) -> list[str]:
-        """Heartbeat every relay in the plan: those whose process is gone, or that did not
-        answer within relay.timeout_s twice in a row (one late answer on a loaded machine, or
-        while Ray notices a lost node, is not a death: cutting a live master out would cost
-        the trainer its push target)."""
+        """Heartbeat every relay in the plan: those whose process is gone, and those that did
+        not answer within relay.timeout_s twice in a row (one late answer on a loaded machine, or
+        while Ray notices a lost node, is not a death: cutting a live master out would cost the
+        trainer its push target) unless no relay would be left (`plan.to_cut`)."""
         ids = list(self.plan.order)
         refs = [self.actors[i].heartbeat.remote() for i in ids]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.timeout_s)
-        dead, successors = [], {}
+        gone, silent, successors = [], [], {}
         for i, ref in zip(ids, refs):
             if ref not in ready:
                 self.misses[i] = self.misses.get(i, 0) + 1
                 if self.misses[i] >= 2:
-                    dead.append(i)
+                    silent.append(i)
                 continue
             try:
                 beat = ray.get(ref)
                 self.latest[i], successors[i] = beat["latest"], beat["successor"]
                 self.misses[i] = 0
             except Exception:  # the actor (its process or its node) is gone
-                dead.append(i)
+                gone.append(i)
+        dead = to_cut(ids, gone, silent)
+        if kept := sorted(set(silent) - set(dead)):
+            log.warning("relays %s answered no heartbeat within %.0fs %d times in a row; kept in "
+                        "the chain: no other relay is left to take over", kept, self.cfg.timeout_s,
+                        min(self.misses[i] for i in kept))
         if not dead:
             self._retry_cut_links(cut_links(self.plan, successors))
         return dead
