@@ -17,8 +17,9 @@ from test_rollout_loop import CFG, World, step_until
 
 def with_evaluator(world: World, mode: str = "laminar"):
     loop = world.loop()
-    loop.evaluator = Evaluator(lambda: Engine(copy.deepcopy(loop.engine.model), EOS_ID, PAD_ID,
-                                              max_batch_size=8, version=loop.engine.version),
+    # as engine_factory does: a fresh engine on the starting weights (the world's model, v0)
+    loop.evaluator = Evaluator(lambda: Engine(copy.deepcopy(world.model), EOS_ID, PAD_ID,
+                                              max_batch_size=8, version=0),
                                world.tokenizer, world.task)
     return loop
 

@@ -22,10 +22,10 @@ import ray
 import torch
 
 from laminar.config import Config
-from laminar.engine import build_engine
 from laminar.engine.lora import rollout_lora
 from laminar.models import load_pretrained
 from laminar.pools.partials import TokenUpdate
+from laminar.rollout.build import engine_factory
 from laminar.rollout.evals import EvalJob, Evaluator
 from laminar.rollout.finish import make_episodes, make_finisher
 from laminar.rollout.io import Registration, RelayWeights, RolloutIO
@@ -108,8 +108,8 @@ class RolloutActor:
         local_dir = materialize(model_dir)
         model, tokenizer = load_pretrained(local_dir, cfg.model.attn_implementation)
         seed = zlib.crc32(f"{cfg.trainer.seed}/{rollout_id}".encode())  # stable, distinct per rollout
-        engine = build_engine(cfg.rollout.engine, model.eval(), tokenizer.eos_token_id,
-                              tokenizer.pad_token_id, version, seed)
+        make_engine = engine_factory(cfg, local_dir, tokenizer, version, seed)
+        engine = make_engine(model)
         io = RolloutIO(RayPrompts(pools["prompts"]), RayPartials(pools["partials"]),
                        RayBuffer(pools["buffer"]), RelayWeights(relay, cfg.relay))
         task = build_task(cfg.task, cfg.sandbox, prompts=False)
@@ -118,8 +118,8 @@ class RolloutActor:
 
             serve_rollout(cfg, rollout_id)
         finisher = make_finisher(cfg, task, tokenizer, seed)
-        evaluator = Evaluator.copying(engine, cfg.rollout.engine, tokenizer, task, seed, finisher.rewards,
-                                           make_episodes(cfg, task, tokenizer))
+        evaluator = Evaluator(make_engine, tokenizer, task, finisher.rewards,
+                              make_episodes(cfg, task, tokenizer))
         self.loop = RolloutLoop(rollout_id, engine, io, policy, finisher, sampling_params(cfg),
                                 cfg.rollout, cfg.cluster.heartbeat_s, evaluator,
                                 rollout_lora(cfg.trainer.lora, local_dir))

@@ -1,15 +1,17 @@
 """Held-out evaluation inside a rollout, without stalling anyone.
 
-    evaluator = Evaluator.copying(engine, cfg.rollout.engine, tokenizer, task, seed)
+    evaluator = Evaluator(make_engine, tokenizer, task)   # make_engine: laminar/rollout/build.py
     evaluator.queue(EvalJob("step10", step=10, at_least=10, items=task.eval, params=params))
     evaluator.step(weights)        # from the rollout loop's step: one engine step of the eval
     evaluator.take()               # finished results: [{"step": 10, "version": 11, ...}]
 
-The evaluator has an engine (and a copy of the model) of its own, built on first use, so the
-version it evaluates never changes under it and the schedule's own engine, policy, drains,
-repacks and interrupts are untouched. It evaluates the newest weights the rollout's weight source
-offers once that is `at_least` the version asked for (before anything is published: the
-rollout's starting weights, which its engine was copied from), then decodes every held-out prompt twice:
+The evaluator has an engine of its own (of the run's backend), built on first use by the
+rollout's engine factory on the run's starting weights, so the version it evaluates never
+changes under it and the schedule's own engine, policy, drains, repacks and interrupts are
+untouched. It evaluates the newest weights the rollout's weight source offers once that is
+`at_least` the version asked for, loading them into its engine through that source (before
+anything is published: the starting weights, which the rollout's engine started from too; it
+never asks the rollout's engine for weights), then decodes every held-out prompt twice:
 greedy, and sampled with the rollout's sampling parameters and a fixed seed per prompt (the same
 draws at every evaluation, so two evaluations differ by the weights only). One engine step per
 loop step: the evaluation shares the rollout's CPU with generation instead of pausing it.
@@ -19,15 +21,16 @@ own), scored by their environment: exact match is the episode's `info["exact_mat
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 import zlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
+from laminar.engine.protocol import EngineFactory, RolloutEngine
 from laminar.models.tokenizer import decode_response, encode_prompt
+from laminar.rollout.io import WeightSource
 from laminar.tasks.rewards import exact_match
 from laminar.types import GenerationRequest, PromptGroup, PromptItem, SamplingParams
 
@@ -42,31 +45,23 @@ class EvalJob:
 
 
 class Evaluator:
-    def __init__(self, build_engine: Callable[[], Any], tokenizer: Any, task: Any) -> None:
-        self.build_engine, self.tokenizer, self.task = build_engine, tokenizer, task
-        self.engine: Any = None
+    def __init__(self, make_engine: EngineFactory, tokenizer: Any, task: Any, rewards: Any = None,
+                 episodes: Any = None) -> None:
+        """`make_engine`: a fresh engine on the run's starting weights (called once, at the
+        first evaluation). `rewards`: score through the rollout's reward runner (a user's
+        reward in killable processes, with its timeout), not inline. `episodes`: a multi-turn
+        task's evaluation episodes (environments of their own)."""
+        self.make_engine, self.tokenizer, self.task = make_engine, tokenizer, task
+        self.engine: RolloutEngine | None = None
         self.jobs: deque[EvalJob] = deque()
         self.job: EvalJob | None = None
         self.requests: dict[str, tuple[str, PromptItem, GenerationRequest]] = {}
         self.left = 0
         self.t0 = 0.0
         self.results: list[dict[str, Any]] = []
-        self.rewards: Any = None  # the rollout's reward runner (tasks/reward_pool.py), if any
-        self.episodes: Any = None  # multi-turn tasks: the evaluation's own episodes
+        self.rewards = rewards  # the rollout's reward runner (tasks/reward_pool.py), if any
+        self.episodes = episodes  # multi-turn tasks: the evaluation's own episodes
         self.outcomes: dict[str, tuple[float, bool]] = {}  # request id -> (reward, exact match)
-
-    @classmethod
-    def copying(cls, engine: Any, engine_cfg: Any, tokenizer: Any, task: Any, seed: int,
-                rewards: Any = None, episodes: Any = None) -> "Evaluator":
-        """An evaluator whose engine, built on first use, is a copy of `engine` (its model,
-        weights and version at that moment). `rewards`: score through the rollout's reward
-        runner (a user's reward in killable processes, with its timeout), not inline."""
-        from laminar.engine import build_engine
-
-        evaluator = cls(lambda: build_engine(engine_cfg, copy.deepcopy(engine.model), tokenizer.eos_token_id,
-                                             tokenizer.pad_token_id, engine.version, seed), tokenizer, task)
-        evaluator.rewards, evaluator.episodes = rewards, episodes
-        return evaluator
 
     def queue(self, job: EvalJob) -> None:
         self.jobs.append(job)
@@ -75,7 +70,7 @@ class Evaluator:
     def pending(self) -> int:
         return len(self.jobs) + (self.job is not None)
 
-    def step(self, weights: Any) -> bool:
+    def step(self, weights: WeightSource) -> bool:
         """Start the next job when its weights are there, or advance the running one by one
         engine step; False when there was nothing to do."""
         if self.job is None:
@@ -100,16 +95,22 @@ class Evaluator:
                 self.left -= 1
         self.episodes.take_stats()  # the evaluation's latencies are not the run's
 
+    def close(self) -> None:
+        """Free the evaluation's engine (a later evaluation builds a fresh one)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
     def take(self) -> list[dict[str, Any]]:
         out, self.results = self.results, []
         return out
 
-    def _start(self, weights: Any) -> bool:
+    def _start(self, weights: WeightSource) -> bool:
         if not self.jobs:
             return False
         job = self.jobs[0]
-        if self.engine is None:  # a copy of the rollout's engine: its weights and version
-            self.engine = self.build_engine()
+        if self.engine is None:  # the starting weights; newer ones come from `weights`
+            self.engine = self.make_engine()
         newest = weights.newest()
         if newest is not None and newest > self.engine.version and newest >= job.at_least:
             weights.load_newest(self.engine, newer_than=self.engine.version)

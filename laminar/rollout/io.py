@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from laminar.engine.protocol import WeightTarget
 from laminar.pools.experience import ExperienceBuffer
 from laminar.pools.partials import PartialPool, TokenUpdate
 from laminar.pools.prompts import PromptPool
@@ -67,8 +68,9 @@ class WeightSource(Protocol):
     def newest(self) -> int | None:
         """The newest complete version on offer (cheap: the loop asks every step)."""
 
-    def load_newest(self, engine: Any, newer_than: int) -> int | None:
-        """Load the newest version into `engine` if it is newer than `newer_than`; its number."""
+    def load_newest(self, engine: WeightTarget, newer_than: int) -> int | None:
+        """Load the newest version into `engine` (a rollout engine, or the LoRA merge in front
+        of one) if it is newer than `newer_than`; its number."""
 
 
 @dataclass
@@ -156,7 +158,7 @@ class BoardWeights:
     def newest(self) -> int | None:
         return self.board.version
 
-    def load_newest(self, engine: Any, newer_than: int) -> int | None:
+    def load_newest(self, engine: WeightTarget, newer_than: int) -> int | None:
         version = self.board.version
         if version is None or version <= newer_than:
             return None
@@ -176,5 +178,5 @@ class RelayWeights:
     def newest(self) -> int | None:
         return self.puller.newest_version()  # one small file read
 
-    def load_newest(self, engine: Any, newer_than: int) -> int | None:
+    def load_newest(self, engine: WeightTarget, newer_than: int) -> int | None:
         return self.puller.pull_latest(engine, newer_than=newer_than)

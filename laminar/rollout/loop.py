@@ -24,6 +24,12 @@ The driver also asks for held-out evaluations (`request_eval`, run by the loop's
 evals.py, one engine step per loop step) and takes what the loop recorded for the run's
 metrics (`take_records`: finished evaluations, timeline spans, environment latencies).
 Those calls may come from other threads: one lock covers a whole step and each of them.
+
+The engine is a `RolloutEngine` (laminar/engine/protocol.py), used through that protocol only.
+Its requests are the loop's record of progress: the loop reads them at any time (streaming) and
+writes one only while it is outside the engine — `adopt` (a moved request arrives aborted, or
+rebuilt from the partial pool) and a multi-turn episode's next turn (laminar/envs/episode.py:
+the observation is appended after the engine finished the turn, before it is added again).
 """
 
 from __future__ import annotations
@@ -35,10 +41,11 @@ from typing import Any
 
 from laminar.config import RolloutConfig
 from laminar.engine.lora import LoraBase, MergingWeights
+from laminar.engine.protocol import RolloutEngine
 from laminar.pools.partials import TokenUpdate
 from laminar.rollout.evals import EvalJob, Evaluator
 from laminar.rollout.finish import Finisher
-from laminar.rollout.io import RolloutIO
+from laminar.rollout.io import RolloutIO, WeightSource
 from laminar.rollout.policy import LoopState, Policy
 from laminar.rollout.requests import group_requests
 from laminar.rollout.timeline import Timeline
@@ -55,7 +62,7 @@ IDLE_QUIET_S = 0.01  # nap when nothing is (a request wakes the loop at once)
 
 
 class RolloutLoop:
-    def __init__(self, rollout_id: str, engine: Any, io: RolloutIO, policy: Policy,
+    def __init__(self, rollout_id: str, engine: RolloutEngine, io: RolloutIO, policy: Policy,
                  finisher: Finisher, params: SamplingParams, cfg: RolloutConfig,
                  heartbeat_s: float, evaluator: Evaluator | None = None,
                  lora: LoraBase | None = None) -> None:
@@ -308,7 +315,7 @@ class RolloutLoop:
             self.engine.add(state)
         self.counters.swaps += 1
 
-    def set_weights(self, weights: Any) -> None:
+    def set_weights(self, weights: WeightSource) -> None:
         """Read weights from another source from now on (its relay died)."""
         with self.lock:
             self.io.weights = weights if self.lora is None else MergingWeights(weights, self.lora)
@@ -350,7 +357,9 @@ class RolloutLoop:
 
     def adopt(self, moved: list[Unfinished]) -> bool:
         """Continue trajectories from elsewhere (repack destination, failover). Unless the
-        policy mixes versions, refuses if any was started by weights other than this engine's."""
+        policy mixes versions, refuses if any was started by weights other than this engine's.
+        The requests are in no engine (aborted at their source, or rebuilt from the partial
+        pool), so they may be written here before `_add` hands them to this one."""
         with self.lock:
             version = self.engine.version
             if not self.policy.mixes_versions and any(

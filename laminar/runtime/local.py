@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from laminar.config import Config, ConfigError
-from laminar.engine import build_engine
 from laminar.engine.lora import rollout_lora
 from laminar.models import load_pretrained
 from laminar.models.tokenizer import encode_prompt
@@ -29,6 +28,7 @@ from laminar.pools.experience import ExperienceBuffer
 from laminar.pools.partials import PartialPool
 from laminar.pools.prompts import PromptPool, PromptSampler
 from laminar.pools.resume import RESUMED, deal_resumed, prepare_pools
+from laminar.rollout.build import engine_factory
 from laminar.rollout.evals import EvalJob, Evaluator
 from laminar.rollout.finish import make_episodes, make_finisher
 from laminar.rollout.io import (BoardWeights, LocalBuffer, LocalPartials, LocalPrompts, RolloutIO,
@@ -128,16 +128,14 @@ class LocalRuntime:
 
     def _loop(self, rollout_id: str, model: Any) -> RolloutLoop:
         cfg = self.cfg
-        if model is None:
-            model, _ = load_pretrained(self.model_dir, cfg.model.attn_implementation)
         seed = zlib.crc32(f"{cfg.trainer.seed}/{rollout_id}".encode())
-        engine = build_engine(cfg.rollout.engine, model.eval(), self.tokenizer.eos_token_id,
-                              self.tokenizer.pad_token_id, self.start_version, seed)
+        make_engine = engine_factory(cfg, self.model_dir, self.tokenizer, self.start_version, seed)
+        engine = make_engine(model)  # None: it reads the starting weights from model_dir
         io = RolloutIO(LocalPrompts(self.prompts), LocalPartials(self.partials),
                        LocalBuffer(self.buffer), BoardWeights(self.board))
         finisher = make_finisher(cfg, self.task, self.tokenizer, seed)
-        evaluator = Evaluator.copying(engine, cfg.rollout.engine, self.tokenizer, self.task, seed,
-                                      finisher.rewards, make_episodes(cfg, self.task, self.tokenizer))
+        evaluator = Evaluator(make_engine, self.tokenizer, self.task, finisher.rewards,
+                              make_episodes(cfg, self.task, self.tokenizer))
         return RolloutLoop(rollout_id, engine, io, self.policy, finisher, sampling_params(cfg),
                            cfg.rollout, cfg.cluster.heartbeat_s, evaluator,
                            rollout_lora(cfg.trainer.lora, self.model_dir))
@@ -145,6 +143,9 @@ class LocalRuntime:
     def __exit__(self, *exc: object) -> None:
         for loop in self.loops:
             loop.finisher.close()
+            if loop.evaluator is not None:
+                loop.evaluator.close()
+            loop.engine.close()
 
     # ------------------------------------------------------------------------- the driver API
 
