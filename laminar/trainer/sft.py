@@ -22,9 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from laminar.config import Config
-from laminar.engine.engine import Engine
-from laminar.engine.hf import HFEngine
+from laminar.config import Config, EngineConfig
+from laminar.engine import build_engine
 from laminar.envs.template import TurnTemplate
 from laminar.models import EOS_ID, encode_prompt, load_policy, save_pretrained
 from laminar.tasks import build_task
@@ -112,14 +111,17 @@ def build_examples(task, tokenizer, eos: int) -> list[Example]:
 
 def evaluate_model(cfg: Config, model, tokenizer, task, eos: int, pad: int) -> dict[str, float]:
     """Held-out greedy evaluation of the warm start; multi-turn tasks run whole episodes on the
-    native engine (the one that stops at the environment's stop strings)."""
+    native engine (the one that stops at the environment's stop strings). Fixed backends, not
+    `rollout.engine`: the model is in this process's memory (not saved yet), and the numbers
+    describe the warm start alone, whatever backend the RL run then uses."""
     if not task.multi_turn:
-        return evaluate(HFEngine(model, eos, pad, max_batch_size=128), tokenizer, task,
-                        cfg.rollout.max_new_tokens)
+        engine = build_engine(EngineConfig(backend="hf", max_batch_size=128), model, eos, pad)
+        return evaluate(engine, tokenizer, task, cfg.rollout.max_new_tokens)
     longest = max(len(encode_prompt(tokenizer, it.prompt)) for it in task.eval)
     width = longest + cfg.rollout.max_new_tokens + 1
     rows = max(1, min(64, len(task.eval)))
-    engine = Engine(model, eos, pad, max_batch_size=rows, kv_capacity_tokens=rows * width)
+    engine = build_engine(EngineConfig(backend="native", max_batch_size=rows,
+                                       kv_capacity_tokens=max(16, rows * width)), model, eos, pad)
     return evaluate(engine, tokenizer, task, cfg.rollout.max_new_tokens, cfg.task.max_turns,
                     cfg.task.env_timeout_s)
 
