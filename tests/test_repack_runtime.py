@@ -88,6 +88,22 @@ def test_batch_bound_is_the_setting_or_the_cached_knee_under_the_engine_batch(tm
     assert batch_bound(load_config(None, ["manager.batch_bound=100"])) == 64
 
 
+def test_another_backends_batch_bound_is_its_scheduler_limit_not_the_native_knee(monkeypatch):
+    """The knee is a measurement of the native engine; a vLLM rollout decodes up to its own
+    max_batch_size, so B is that (unless manager.batch_bound says otherwise)."""
+    import laminar.engine.knee
+
+    def no_knee(*_a, **_k):
+        raise AssertionError("the native engine's knee was read for another backend")
+
+    monkeypatch.setattr(laminar.engine.knee, "cached_knee", no_knee)
+    cfg = load_config(None, ["rollout.engine.max_batch_size=48"])
+    cfg.rollout.engine = cfg.rollout.engine.model_copy(update={"backend": "vllm"})
+    assert batch_bound(cfg) == 48
+    cfg.manager = cfg.manager.model_copy(update={"batch_bound": 12})
+    assert batch_bound(cfg) == 12
+
+
 @pytest.mark.slow
 def test_a_missing_knee_is_measured_once_and_cached(tmp_path):
     first = cached_knee("tiny", None, 1, tmp_path)

@@ -19,10 +19,10 @@ and capacity, trajectories in flight), and every `relay.heartbeat_s` each relay'
   KV use is compared with the previous check's (`kv_history`): `idle_loads` picks the rollouts
   in decline (§5.2: their KV fell with nothing left to admit), `plan_repack` (Algorithm 1)
   pairs each source with the densest same-version destination under C_max and the batch
-  bound B (`manager.batch_bound`, by default the knee of this machine's decode curve,
-  `batch_bound`); each move is export (abort; the source holds) → adopt (the destination
-  re-prefills) → partial pool reassign → release (the emptied source pulls the newest weights
-  and leases its next batch). A check that sees a newly published version (`is_post_update`)
+  bound B (`manager.batch_bound`; by default, `batch_bound`: the knee of this machine's decode
+  curve for the native engine, `rollout.engine.max_batch_size` for another backend); each move
+  is export (abort; the source holds) → adopt (the destination re-prefills) → partial pool
+  reassign → release (the emptied source pulls the newest weights and leases its next batch). A check that sees a newly published version (`is_post_update`)
   is followed by another after a quarter interval, when the rollouts it made stale have
   started to decline: the paper's post-update trigger;
 - **elasticity**: `add` registers a joining rollout; `retire` moves a leaving one's work first.
@@ -105,17 +105,24 @@ class Relays(Protocol):
 
 
 def batch_bound(cfg: Config) -> int:
-    """Algorithm 1's B: `manager.batch_bound`, or the knee of this machine's decode curve for
-    the run's model (laminar/engine/knee.py; cached, measured once in a child process), never
-    above the engine's decode batch (`rollout.engine.max_batch_size`): trajectories beyond it
-    would wait in the destination's queue, not decode."""
+    """Algorithm 1's B: `manager.batch_bound`, or else what the backend's scheduler decodes
+    well together, never above its decode batch (`rollout.engine.max_batch_size`: trajectories
+    beyond it would wait in the destination's queue, not decode). For the native engine that is
+    the knee of this machine's decode curve for the run's model (laminar/engine/knee.py; cached,
+    measured once in a child process); another backend has no such curve measured here, so its
+    scheduler's limit is the bound."""
+    limit = cfg.rollout.engine.max_batch_size
     bound = cfg.manager.batch_bound
+    if bound is None and cfg.rollout.engine.backend != "native":
+        log.info("manager.batch_bound: %d, rollout.engine.max_batch_size of the %s backend",
+                 limit, cfg.rollout.engine.backend)
+        return limit
     if bound is None:
         from laminar.engine.knee import cached_knee
 
         bound = cached_knee(cfg.model.preset, cfg.model.path, cfg.rollout.threads)["knee"]
         log.info("manager.batch_bound: %d, the knee of this machine's decode curve", bound)
-    return min(bound, cfg.rollout.engine.max_batch_size)
+    return min(bound, limit)
 
 
 class RolloutManager:
