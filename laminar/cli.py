@@ -1,4 +1,4 @@
-"""laminar: train | resume | sft | bench | report | scale | status | cluster | simulate.
+"""laminar: train | resume | sft | bench | report | scale | status | cluster | simulate | doctor.
 
 Heavy imports (torch, transformers, ray) are deferred into the subcommands so that `--help`
 answers at once. User mistakes (`ConfigError`) print one clear message and exit 2, no traceback.
@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--address", default=None, help="HEAD_IP:PORT (default: the cluster `up` made)")
     c.add_argument("--name", default="default")
 
+    p = sub.add_parser("doctor", help="what this machine can run: devices, engine backends, "
+                       "sandbox, Ray")
+    p.add_argument("--json", action="store_true", help="machine-readable rows instead of a table")
+    p.add_argument("--ray", action="store_true",
+                   help="also start a local Ray cluster for a moment to see that ray.init works")
+
     p = sub.add_parser("simulate", help="cluster-scale simulator of the five schedules",
                        add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -134,6 +140,15 @@ def resume_config(run_dir: str, overrides: list[str]) -> Any:
                           "directory, e.g. runs/reverse?); or use `laminar train CONFIG --resume "
                           f"{run_dir}`")
     return load_config(saved, [*overrides, f"run_dir={run_dir}", "resume=true"])
+
+
+def checked(cfg: Any) -> Any:
+    """The config, once its `device` keys resolve on this machine (laminar/devices.py): a
+    `cuda` without CUDA is one ConfigError here, before any process starts."""
+    from laminar.devices import check_devices
+
+    check_devices(cfg)
+    return cfg
 
 
 def cluster_command(args: argparse.Namespace) -> int:
@@ -182,15 +197,19 @@ def main(argv: list[str] | None = None) -> int:
             from laminar.modes import run_training
 
             extra = [f"run_dir={args.resume}", "resume=true"] if args.resume else []
-            run_training(load_config(args.config, [*args.overrides, *extra]))
+            run_training(checked(load_config(args.config, [*args.overrides, *extra])))
         elif args.command == "resume":
             from laminar.modes import run_training
 
-            run_training(resume_config(args.run_dir, args.overrides))
+            run_training(checked(resume_config(args.run_dir, args.overrides)))
         elif args.command == "sft":
             from laminar.trainer.sft import run_sft
 
-            run_sft(load_config(args.config, args.overrides))
+            run_sft(checked(load_config(args.config, args.overrides)))
+        elif args.command == "doctor":
+            from laminar.doctor import main as doctor_main
+
+            return doctor_main(as_json=args.json, start_ray=args.ray)
         elif args.command == "bench":
             module = importlib.import_module(BENCHMARKS[args.name])
             extra = {"modes": args.modes, "steps": args.steps, "overrides": args.overrides,

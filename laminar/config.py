@@ -21,6 +21,22 @@ Mode = Literal["laminar", "sync", "one_step", "stream", "partial"]
 MODES: tuple[str, ...] = get_args(Mode)  # the one list of schedules (laminar/modes/<mode>.py)
 GLOBAL_BATCH_MODES = ("sync", "one_step", "stream")  # the ones whose waits come one at a time
 PRESET_POSITIONS = 1024  # max_position_embeddings of a model.preset model (models/builder.py)
+Device = Literal["auto", "cpu", "cuda"]  # laminar/devices.py resolves it in each process
+DEVICES: tuple[str, ...] = get_args(Device)
+
+
+def _device_setting(value: Any, key: str) -> Any:
+    """`trainer.device` / `rollout.device`: case and spaces forgiven; `gpu` and `cuda:N` named."""
+    if not isinstance(value, str):
+        return value
+    v = value.strip().lower()
+    if v == "gpu":
+        raise ValueError(f"{value!r} is not a {key} setting: say cuda (a CUDA GPU), cpu or auto")
+    if v.startswith("cuda:"):
+        raise ValueError(f"{value!r}: a process uses the GPU it is given (Ray's GPU "
+                         "resources or CUDA_VISIBLE_DEVICES), so the setting is cuda, not cuda:N")
+    return v
+
 
 # Keys that existed once: loading a config that still sets one says what replaced it.
 RETIRED = {
@@ -272,6 +288,16 @@ class RolloutConfig(Section):
     openai_port: int = Field(0, ge=0, le=65535, description="Port of the endpoint; 0 = any free "
                              "port (a fixed one fits one rollout per machine).")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engine.")
+    device: Device = Field(
+        "auto", description="Where each rollout's engine runs: `auto` (the GPU when the rollout's "
+        "process sees one, else the CPU), `cpu`, or `cuda` (an error at start where there is "
+        "none). Pulled weights are copied into device memory through a pinned staging buffer "
+        "(docs/devices.md).")
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, value: Any) -> Any:
+        return _device_setting(value, "rollout.device")
 
 
 class ClusterConfig(Section):
@@ -413,6 +439,16 @@ class TrainerConfig(Section):
         None, description="Train LoRA adapters (peft) on a frozen base instead of every weight, "
         "e.g. `trainer.lora={}` or `trainer.lora.r=16`; a weight version then holds only the "
         "adapters and each rollout merges them into its copy of the base (docs/lora.md).")
+    device: Device = Field(
+        "auto", description="Where the trainer's model and optimizer live: `auto` (the GPU when "
+        "the trainer's process sees one, else the CPU), `cpu`, or `cuda` (an error at start where "
+        "there is none). Ranks on GPUs form their group over nccl, on the CPU over gloo; a push "
+        "copies from the device straight into the master relay's host memory (docs/devices.md).")
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, value: Any) -> Any:
+        return _device_setting(value, "trainer.device")
 
     @model_validator(mode="after")
     def _lora_sharding(self) -> "TrainerConfig":

@@ -126,7 +126,8 @@ class TrainerActor(TrainerService):
 
         def join() -> None:
             try:
-                joined["ranks"] = Ranks.join(store, 0, n, timeout, node_ip=host)
+                joined["ranks"] = Ranks.join(store, 0, n, timeout, node_ip=host,
+                                             device=cfg.trainer.device)
             except BaseException as e:
                 joined["error"] = e
 
@@ -206,7 +207,8 @@ class TrainerRank:
         torch.set_num_threads(cfg.trainer.threads)
         torch.manual_seed(cfg.trainer.seed)
         self.ranks = Ranks.join(None, self.rank, cfg.trainer.world_size, cfg.cluster.wait_timeout_s,
-                                host, port, node_ip=ray.util.get_node_ip_address())
+                                host, port, node_ip=ray.util.get_node_ip_address(),
+                                device=cfg.trainer.device)
         model, tokenizer = load_pretrained(materialize(self.model_source), cfg.model.attn_implementation)
         self.trainer = Trainer(model, cfg.trainer, tokenizer.pad_token_id, cfg.rollout.temperature,
                                self.ranks)

@@ -61,18 +61,22 @@ class Ranks:
 
     @classmethod
     def join(cls, store: dist.Store | None, rank: int, world_size: int, timeout_s: float,
-             host: str = "", port: int = 0, node_ip: str | None = None) -> "Ranks":
+             host: str = "", port: int = 0, node_ip: str | None = None,
+             device: str = "auto") -> "Ranks":
         """Join the group (rank 0 passes the store `rendezvous` made, the others its host and
-        port). GPU when this process sees one (nccl), else CPU (gloo). `node_ip`: this node's
-        cluster address; the group's connections use the interface that holds it."""
+        port). `device` is trainer.device: on a GPU (`auto` where this process sees one, or
+        `cuda`) the group is nccl, on the CPU gloo. `node_ip`: this node's cluster address; the
+        group's connections use the interface that holds it."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        from laminar.devices import resolve_device
+
+        cuda = resolve_device(device, "trainer.device").type == "cuda"  # before any waiting
         if node_ip:
             use_interface_of(node_ip)
         timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
             store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-        cuda = torch.cuda.is_available()
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
                                 world_size=world_size, timeout=timeout)
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -186,11 +190,12 @@ def follow(target: Any, ranks: Ranks) -> None:
 
 
 def spawn_ranks(world_size: int, main: Callable[..., Any], *args: Any, threads: int = 1,
-                timeout_s: float = 600.0) -> Any:
+                timeout_s: float = 600.0, device: str = "auto") -> Any:
     """Run `main(ranks, *args)` in `world_size` fresh local processes forming one group (no
     Ray: tests and `laminar bench trainer`); returns rank 0's answer, after which the group is
     stopped. `main` must be importable (a module-level function); on ranks 1..N-1 it ends in
-    `follow`. One process gets `ranks=None` (no process group, as trainer.world_size=1 runs)."""
+    `follow`. One process gets `ranks=None` (no process group, as trainer.world_size=1 runs).
+    `device`: trainer.device of the ranks (laminar/devices.py)."""
     import multiprocessing as mp
     import queue
 
@@ -200,7 +205,7 @@ def spawn_ranks(world_size: int, main: Callable[..., Any], *args: Any, threads: 
     ctx = mp.get_context("spawn")
     answers = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, host, store.port, threads, timeout_s,
-                                                  answers, main, args), daemon=True)
+                                                  answers, main, args, device), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -221,13 +226,15 @@ def spawn_ranks(world_size: int, main: Callable[..., Any], *args: Any, threads: 
 
 
 def _rank_main(rank: int, world_size: int, host: str, port: int, threads: int, timeout_s: float,
-               answers: Any, main: Callable[..., Any], args: tuple[Any, ...]) -> None:
+               answers: Any, main: Callable[..., Any], args: tuple[Any, ...],
+               device: str = "auto") -> None:
     import pickle
     import traceback
 
     torch.set_num_threads(threads)
     try:
-        ranks = Ranks.join(None, rank, world_size, timeout_s, host, port) if world_size > 1 else None
+        ranks = (Ranks.join(None, rank, world_size, timeout_s, host, port, device=device)
+                 if world_size > 1 else None)
         value = main(ranks, *args)
         if rank == 0:
             if ranks is not None:

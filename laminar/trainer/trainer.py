@@ -41,6 +41,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from laminar.config import TrainerConfig
+from laminar.devices import resolve_device, to_host
 from laminar.trainer.advantage import group_advantages
 from laminar.trainer.loss import policy_loss, token_logprobs
 from laminar.trainer.ranks import Ranks, plan_micro_batches, shard
@@ -106,7 +107,8 @@ class Trainer:
         self.cfg = cfg
         self.ranks = ranks  # None: one process, no process group (trainer.world_size = 1)
         self.world_size = ranks.world_size if ranks else 1
-        self.device = ranks.device if ranks else torch.device("cpu")
+        # trainer.device (laminar/devices.py): a group's ranks resolved it when they joined
+        self.device = ranks.device if ranks else resolve_device(cfg.device, "trainer.device")
         self.pad_token_id = pad_token_id
         self.temperature = temperature if temperature > 0 else 1.0
         self.version = 0  # completed global batches = version of the current weights
@@ -366,9 +368,13 @@ class Trainer:
         """Publish the current weights as `version` through `sink` (a `WeightSink`); returns
         the stall in seconds. With ranks every rank writes its own rows (shards.py) into
         a version of `chunk_bytes` chunks; with trainer.lora (DDP: rank 0 holds every adapter)
-        rank 0 pushes the adapters alone."""
+        rank 0 pushes the adapters alone. On a GPU the tensors go to the sink as they are: the
+        relay's writer copies each from the device into the master relay's host memory."""
         if self.ranks is None or self.cfg.lora is not None:
-            return sink.push(self.named_weights(), version)
+            named = self.named_weights()
+            if self.device.type != "cpu" and not hasattr(sink, "push_parts"):
+                named = to_host(named)  # a sink that keeps what it is handed gets host copies
+            return sink.push(named, version)  # the relay's writer copies device -> its slot
         from laminar.trainer.shards import push_from_shards
 
         return push_from_shards(self, sink, version, chunk_bytes)

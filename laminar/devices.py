@@ -1,0 +1,249 @@
+"""Where tensors live: the `device` settings (`trainer.device`, `rollout.device`) and the copies
+between a device and the relay's host memory.
+
+    device = resolve_device(cfg.trainer.device, "trainer.device")   # torch.device, or ConfigError
+    check_devices(cfg)                                # at start: `cuda` without CUDA is one line
+    staging = StagingBuffer.for_device(device)        # pinned host memory (None-like on CPU)
+    stage_copy(dst_named, src_named, staging)         # relay shared memory -> device tensors
+    load_into_module(module, src_named, staging)      # the same, into a module's state_dict
+
+`auto` is CUDA when this process sees a CUDA device, else the CPU. `cuda` on a machine without
+one is a `ConfigError` naming the key, the value and the fix (never a CUDA traceback).
+
+Host -> device: the relay's version lives in shared memory (pageable), which a GPU cannot read
+asynchronously; `stage_copy` packs the tensors into a pinned staging buffer (two halves used in
+turn: while the GPU reads one half, the CPU fills the other) and issues non-blocking copies from
+it, then waits for them all. On the CPU (no staging buffer) it is a plain `copy_` per tensor.
+Device -> host (the trainer's push) needs nothing here: the relay's writer copies every tensor
+straight into the master relay's slot (`write_version`: `copy_` from a CUDA tensor is the
+device-to-host copy), so the trainer hands its parameters as they are, with no host copy between.
+
+This module imports only torch and laminar.config.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from laminar.config import ConfigError
+
+SETTINGS = ("auto", "cpu", "cuda")
+DEVICE_KEYS = ("trainer.device", "rollout.device")
+STAGING_BYTES = 64 << 20  # default pinned staging buffer: two 32 MiB halves
+_ALIGN = 64  # each tensor's slice of the staging buffer starts on this many bytes
+
+
+def cuda_available() -> bool:
+    """Whether this process sees a CUDA device (False when torch is a CPU build)."""
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken driver install: no usable device
+        return False
+
+
+def torch_build() -> str:
+    """What torch was built for: `cpu`, `cuda 12.8` or `rocm 6.2`."""
+    if getattr(torch.version, "cuda", None):
+        return f"cuda {torch.version.cuda}"
+    if getattr(torch.version, "hip", None):
+        return f"rocm {torch.version.hip}"
+    return "cpu"
+
+
+def no_cuda_reason() -> str:
+    """Why this process has no CUDA device, in words (for the ConfigError)."""
+    build = torch_build()
+    if build == "cpu":
+        return (f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch "
+                "(docs/devices.md)")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
+    return f"torch {torch.__version__} ({build}) finds no CUDA device (driver or GPU missing)"
+
+
+def resolve_device(setting: str, key: str = "device") -> torch.device:
+    """The torch device `setting` (auto | cpu | cuda, the value of config key `key`) means in
+    this process. ConfigError when it is `cuda` and there is none, or not a setting at all."""
+    if setting == "cpu":
+        return torch.device("cpu")
+    if setting == "auto":
+        return _current_cuda() if cuda_available() else torch.device("cpu")
+    if setting == "cuda":
+        if not cuda_available():
+            raise ConfigError(f"{key}=cuda but this machine has no CUDA device: {no_cuda_reason()}; "
+                              f"or set {key}=auto (CUDA when present, else the CPU) or {key}=cpu")
+        return _current_cuda()
+    raise ConfigError(f"{key}={setting!r} is not a device setting; use one of {', '.join(SETTINGS)}")
+
+
+def _current_cuda() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def check_devices(cfg: Any) -> dict[str, str]:
+    """At the start of a job: resolve every `device` key of `cfg` (a laminar Config) here, so a
+    `cuda` on a machine without CUDA is one ConfigError before anything starts. On a cluster
+    (`cluster.address` set) the trainer and the rollouts may run on other machines than the
+    driver, so it checks nothing and each process resolves its own at start. Returns key ->
+    device type as resolved here."""
+    if getattr(cfg.cluster, "address", None):
+        return {}
+    out = {}
+    for key in DEVICE_KEYS:
+        section, name = key.split(".")
+        setting = getattr(getattr(cfg, section), name, None)
+        if setting is not None:
+            out[key] = resolve_device(setting, key).type
+    return out
+
+
+def to_host(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached host copies of device tensors (host tensors pass through as detached views):
+    for a weight sink that keeps the tensors it is handed (the one-process runtime's board)
+    rather than copying them into host memory itself, as the relay's writer does."""
+    return {k: v.detach() if v.device.type == "cpu" else v.detach().to("cpu")
+            for k, v in named.items()}
+
+
+# ------------------------------------------------------------------------ host -> device copies
+
+
+@dataclass
+class StagingBuffer:
+    """Pinned host memory for host -> device copies, used in two halves. Keep one per engine
+    (pinning is slow: allocate once, reuse for every version). On the CPU, `buffer` may be an
+    ordinary tensor (the tests exercise the packing logic that way) or the staging skipped."""
+
+    buffer: torch.Tensor  # uint8, 1-D
+    events: list[Any]  # per half: the CUDA event recorded after its last copy was issued, or None
+
+    @classmethod
+    def allocate(cls, nbytes: int = STAGING_BYTES, pin: bool = True) -> "StagingBuffer":
+        nbytes = max(2 * _ALIGN, nbytes - nbytes % (2 * _ALIGN))
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and cuda_available())
+        return cls(buf, [None, None])
+
+    @classmethod
+    def for_device(cls, device: torch.device, nbytes: int = STAGING_BYTES) -> "StagingBuffer | None":
+        """A pinned buffer when `device` is a GPU; None on the CPU (copies need no staging)."""
+        return cls.allocate(nbytes) if device.type == "cuda" else None
+
+    @property
+    def half(self) -> int:
+        return self.buffer.numel() // 2
+
+    @property
+    def pinned(self) -> bool:
+        return self.buffer.is_pinned() if self.buffer.device.type == "cpu" else False
+
+
+def stage_copy(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor],
+               staging: StagingBuffer | None = None) -> int:
+    """Copy every `src[name]` (host tensors, e.g. the zero-copy views of a pulled relay version)
+    into `dst[name]` (tensors on any device, same shapes; dtypes may differ: copy_ converts);
+    returns the bytes read. With `staging`, bytes go host -> pinned half -> device by
+    non-blocking copies, the halves taking turns; without it, one `copy_` per tensor. Returns
+    after every copy is complete, so `src` may be released then."""
+    missing = sorted(set(dst) - set(src))
+    if missing:
+        raise ValueError(f"weights to copy lack {missing[:5]} ({len(missing)} in all)")
+    total = 0
+    with torch.no_grad():
+        if staging is None:
+            for name, d in dst.items():
+                s = _checked(name, d, src[name])
+                d.copy_(s)
+                total += s.numel() * s.element_size()
+            return total
+        state = _Cursor(staging)
+        for name, d in dst.items():
+            s = _checked(name, d, src[name])
+            total += s.numel() * s.element_size()
+            if not d.is_contiguous() or s.numel() == 0:
+                d.copy_(s)
+                continue
+            _stage_one(d.view(-1), s.reshape(-1), state)
+        state.finish()
+    return total
+
+
+def _checked(name: str, d: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    if tuple(s.shape) != tuple(d.shape):
+        raise ValueError(f"tensor '{name}' has shape {tuple(s.shape)}, the destination "
+                         f"{tuple(d.shape)}")
+    return s
+
+
+class _Cursor:
+    """Which half of the staging buffer is being filled, and how far."""
+
+    def __init__(self, staging: StagingBuffer) -> None:
+        self.staging = staging
+        self.which = 0
+        self.pos = 0
+        self.wait(0)
+
+    def wait(self, which: int) -> None:
+        ev = self.staging.events[which]
+        if ev is not None:
+            ev.synchronize()  # the GPU has read everything issued from this half
+            self.staging.events[which] = None
+
+    def room(self) -> int:
+        return self.staging.half - self.pos
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        start = self.which * self.staging.half + self.pos
+        self.pos += -(-nbytes // _ALIGN) * _ALIGN
+        return self.staging.buffer[start:start + nbytes]
+
+    def flip(self, used_cuda: bool) -> None:
+        if used_cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            self.staging.events[self.which] = ev
+        self.which ^= 1
+        self.pos = 0
+        self.wait(self.which)
+
+    def finish(self) -> None:
+        for which in (0, 1):
+            self.wait(which)
+        if cuda_available():
+            torch.cuda.current_stream().synchronize()
+
+
+def _stage_one(d: torch.Tensor, s: torch.Tensor, cur: _Cursor) -> None:
+    """Copy flat `s` into flat `d` through the staging halves, in pieces that fit."""
+    size = s.element_size()
+    cuda = d.device.type == "cuda"
+    done = 0
+    n = s.numel()
+    while done < n:
+        if cur.room() < size:
+            cur.flip(cuda)
+        count = min(n - done, cur.room() // size)
+        piece = cur.take(count * size).view(s.dtype)
+        piece.copy_(s[done:done + count])
+        d[done:done + count].copy_(piece, non_blocking=cuda)
+        done += count
+        if cur.room() < size:
+            cur.flip(cuda)
+
+
+def load_into_module(module: torch.nn.Module, src: Mapping[str, torch.Tensor],
+                     staging: StagingBuffer | None = None) -> int:
+    """`stage_copy` into a module's state_dict (its parameters and buffers, on their device);
+    the names must match exactly (the error lists the first differences)."""
+    state = module.state_dict()
+    missing, extra = sorted(set(state) - set(src)), sorted(set(src) - set(state))
+    if missing or extra:
+        raise ValueError(f"weights do not match the model: missing {missing[:5]} ({len(missing)} "
+                         f"in all), unexpected {extra[:5]} ({len(extra)} in all)")
+    return stage_copy(state, src, staging)
