@@ -26,9 +26,12 @@ import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from laminar.bench.provenance import provenance, write_result
+
+if TYPE_CHECKING:
+    from laminar.engine.protocol import RolloutEngine, WeightTarget
 
 PRESET = "small"
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -39,8 +42,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
 }
 
 
-def _build(lora: dict[str, Any] | None) -> tuple[Any, Any]:
-    """(trainer, rollout engine) of one variant; the engine holds the base, as a rollout does."""
+def _build(lora: dict[str, Any] | None) -> tuple[Any, Any, dict[str, Any]]:
+    """(trainer, rollout engine, the base's weights) of one variant; the engine holds the base,
+    as a rollout does."""
     import torch
 
     from laminar.config import LoraConfig, TrainerConfig
@@ -56,12 +60,16 @@ def _build(lora: dict[str, Any] | None) -> tuple[Any, Any]:
         for name, p in trainer.module.named_parameters():
             if ".lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    engine = Engine(build_preset(PRESET, seed=0).eval(), EOS_ID, PAD_ID, max_batch_size=8)
-    return trainer, engine
+    base = build_preset(PRESET, seed=0).eval()
+    w0 = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    engine: RolloutEngine = Engine(base, EOS_ID, PAD_ID, max_batch_size=8)
+    return trainer, engine, w0
 
 
-def _rollout_target(engine: Any, lora: dict[str, Any] | None) -> Any:
-    """What the rollout hands the puller: the engine, or the engine behind a W0 merge."""
+def _rollout_target(engine: RolloutEngine, w0: dict[str, Any], lora: dict[str, Any] | None
+                    ) -> WeightTarget:
+    """What the rollout hands the puller: the engine, or the engine behind a W0 merge (`w0`:
+    the base's weights, as a rollout reads them from its model directory)."""
     if lora is None:
         return engine
     from laminar.config import LoraConfig
@@ -79,9 +87,8 @@ def _rollout_target(engine: Any, lora: dict[str, Any] | None) -> Any:
             self.engine.load_weights(full, version)
 
     targets = LoraConfig(**lora).target_modules
-    state = engine.model.state_dict()
-    names = target_weight_names(state, targets)
-    target = Timed(engine, LoraBase({n: state[n].detach().clone() for n in names}))
+    names = target_weight_names(w0, targets)
+    target = Timed(engine, LoraBase({n: w0[n] for n in names}))
     target.merge_s = []
     return target
 
@@ -100,7 +107,8 @@ def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
     relay_cfg = RelayConfig()
     secret = uuid.uuid4().hex.encode()
     built = {name: _build(lora) for name, lora in VARIANTS.items()}
-    targets = {name: _rollout_target(built[name][1], lora) for name, lora in VARIANTS.items()}
+    targets = {name: _rollout_target(built[name][1], built[name][2], lora)
+               for name, lora in VARIANTS.items()}
     stalls: dict[str, list[float]] = {name: [] for name in VARIANTS}
     applies: dict[str, list[float]] = {name: [] for name in VARIANTS}
     nbytes: dict[str, int] = {}

@@ -166,18 +166,20 @@ class _Bench:
         dst = {k: torch.empty_like(t) for k, t in sd.items()}
         scratch = torch.empty(512 * MiB, dtype=torch.uint8)
 
-        class Engine:
+        class Preallocated:
+            """A `WeightTarget` that copies each tensor into `dst` (a rollout's weights)."""
+
             def load_weights(self, named, version):
                 for k, t in named.items():
                     dst[k].copy_(t)
 
-        puller, engine = Puller(relay.info, self.cfg), Engine()
+        puller, target = Puller(relay.info, self.cfg), Preallocated()
         pulls, copies = [], []
         for _ in range(reps + 1):  # the first round maps the slots; it is not counted
             # (more rounds than the broadcasts get: a copy is short and the machine is noisy)
             scratch.add_(1)
             t0 = time.perf_counter()
-            puller.pull_latest(engine, force=True)
+            puller.pull_latest(target, force=True)
             pulls.append(time.perf_counter() - t0)
             scratch.add_(1)
             t0 = time.perf_counter()
