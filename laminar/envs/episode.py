@@ -26,6 +26,12 @@ A `TokenEnv` renders its own prompt and observations from the template and recei
 ids (`Turn`); its ids are appended as they are.
 The budget `params.max_new_tokens` covers model and environment tokens together; an
 observation that does not fit ends the episode (with the step's reward, as the budget does).
+
+Writes to a request (its prompt after reset, its stop sequences, an observation appended to
+`output_ids`, `finish_reason` on failure) happen only while it is in no engine: before its first
+`add`, or after the engine finished its turn (`end_turn` checks that it has), and before it is
+added again. That is the rule of laminar/engine/protocol.py: while a request is inside an engine
+only the engine writes its outputs; the next turn is a resume (prompt + transcript re-prefilled).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from laminar.engine.protocol import RolloutEngine
 from laminar.envs.base import TokenEnv, Turn
 from laminar.envs.template import TurnTemplate, stop_sequences
 from laminar.models.tokenizer import decode_response
@@ -167,6 +174,9 @@ class Episodes:
 
     def end_turn(self, req: GenerationRequest) -> None:
         """The engine finished a model turn of `req`: hand its text to the environment."""
+        if req.finish_reason is None:  # the engine still owns it: nothing here may write it
+            raise RuntimeError(f"end_turn('{req.request_id}'): its engine has not finished the "
+                               "turn (finish_reason is None); end a turn on its finish delta")
         ep = self.live[req.request_id]
         ep.turns += 1
         ids = req.output_ids[ep.turn_start:]
@@ -358,7 +368,7 @@ def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(i, int) for i in value)
 
 
-def step_episodes(engine: Any, episodes: Episodes) -> tuple[bool, list[Ended]]:
+def step_episodes(engine: RolloutEngine, episodes: Episodes) -> tuple[bool, list[Ended]]:
     """One round for an engine that runs only episodes (an evaluation's): start the turns that
     are ready, one engine step (finished turns go to their environment), collect the ended
     episodes. Returns (whether the engine stepped, the ended episodes)."""
@@ -372,7 +382,7 @@ def step_episodes(engine: Any, episodes: Episodes) -> tuple[bool, list[Ended]]:
     return stepped, episodes.finished()
 
 
-def run_episodes(engine: Any, episodes: Episodes,
+def run_episodes(engine: RolloutEngine, episodes: Episodes,
                  requests: list[tuple[GenerationRequest, PromptGroup]],
                  poll_s: float = 0.001) -> list[Ended]:
     """Run whole episodes on `engine` until every one has ended (evaluation, tests)."""
