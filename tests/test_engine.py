@@ -351,3 +351,14 @@ def test_kv_capacity_from_a_memory_budget(model):
     # tiny preset: 2 layers x (K and V) x 2 KV heads x 32 dims x 4 bytes = 1 KiB per token
     assert kv_capacity_from_memory(model.config, 1 << 20, torch.float32) == 1024
     assert kv_capacity_from_memory(model.config, 1 << 20, torch.bfloat16) == 2048
+
+
+def test_the_native_engine_is_a_rollout_engine_and_hf_a_baseline_outside_it(model):
+    """What the rollout loop, evaluator and relay client may rely on (engine/protocol.py)."""
+    from laminar.engine.protocol import RolloutEngine
+
+    engine = Engine(copy.deepcopy(model), EOS_ID, PAD_ID, max_batch_size=4)
+    assert isinstance(engine, RolloutEngine) and engine.backend == "native"
+    hf = HFEngine(model, EOS_ID, PAD_ID)  # generate() only: no add/step/abort/stats
+    assert not isinstance(hf, RolloutEngine) and hf.backend == "hf"
+    engine.close()

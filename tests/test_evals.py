@@ -123,3 +123,32 @@ def test_a_hanging_user_reward_cannot_stall_an_evaluation(tmp_path, monkeypatch)
         pool.close()
     [r] = results  # it finished: each call was killed at its timeout and scored 0
     assert r["greedy_reward"] == 0.0 and r["sampled_reward"] == 0.0 and r["num_prompts"] == 2
+
+
+def test_the_engine_factory_builds_fresh_engines_of_the_backend_on_the_starting_weights(tmp_path):
+    """What the evaluator builds its engine with (rollout/build.py): never a copy of another
+    engine, always the run's starting weights, stamped with the starting version."""
+    import pytest
+
+    from laminar.config import ConfigError
+    from laminar.engine.protocol import RolloutEngine
+    from laminar.models import save_pretrained
+    from laminar.models.tokenizer import encode_prompt
+    from laminar.rollout.build import engine_factory
+    from laminar.types import GenerationRequest, SamplingParams
+
+    world = World("laminar")
+    save_pretrained(world.model, world.tokenizer, tmp_path)
+    make = engine_factory(CFG, str(tmp_path), world.tokenizer, version=3, seed=0)
+    a, b = make(), make()
+    assert a is not b and isinstance(a, RolloutEngine) and a.version == b.version == 3
+    prompt = encode_prompt(world.tokenizer, world.task.eval[0].prompt)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=7)
+    reference = Engine(copy.deepcopy(world.model), EOS_ID, PAD_ID)
+    outs = [e.generate([GenerationRequest("g", list(prompt), greedy)])[0].output_ids
+            for e in (a, b, reference)]
+    assert outs[0] == outs[1] == outs[2]
+    cfg = CFG.model_copy(deep=True)
+    cfg.rollout.engine = cfg.rollout.engine.model_copy(update={"backend": "hf"})
+    with pytest.raises(ConfigError, match="backend='hf'"):
+        engine_factory(cfg, str(tmp_path), world.tokenizer, 0, 0)()
