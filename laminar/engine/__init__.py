@@ -1,6 +1,7 @@
-"""Rollout inference engines: the native continuous-batching `Engine` and the static-batch
-`HFEngine` baseline on `transformers.generate`. Same `generate(requests)` call for both;
-`build_engine` picks one as `rollout.engine` says.
+"""Rollout inference engines: the native continuous-batching `Engine`, `VLLMEngine` (vLLM's
+engine behind the same protocol) and the static-batch `HFEngine` baseline on
+`transformers.generate`. Same `generate(requests)` call for all; `build_engine` picks one as
+`rollout.engine` says.
 
 The engines (torch) are imported when first used, not with the package, so that importing
 `laminar.engine.knee` for its cache reader (the rollout manager calls it) costs no torch."""
@@ -14,10 +15,17 @@ from laminar.config import EngineConfig
 if TYPE_CHECKING:
     from laminar.engine.engine import Engine
     from laminar.engine.hf import HFEngine
+    from laminar.engine.vllm_engine import VLLMEngine
 
 
 def build_engine(cfg: EngineConfig, model, eos_token_id: int, pad_token_id: int, version: int = 0,
-                 seed: int = 0) -> Engine | HFEngine:
+                 seed: int = 0) -> Engine | HFEngine | VLLMEngine:
+    if cfg.backend == "vllm":
+        from laminar.engine.vllm_engine import VLLMEngine  # vllm (a ConfigError when missing)
+
+        return VLLMEngine(model, eos_token_id, pad_token_id, max_batch_size=cfg.max_batch_size,
+                          kv_capacity_tokens=cfg.kv_capacity_tokens, version=version, seed=seed,
+                          block_size=cfg.vllm_block_size, enforce_eager=cfg.vllm_enforce_eager)
     if cfg.backend == "hf":
         from laminar.engine.hf import HFEngine  # torch, transformers
 
@@ -38,7 +46,11 @@ def __getattr__(name: str) -> Any:
         from laminar.engine.hf import HFEngine
 
         return HFEngine
+    if name == "VLLMEngine":
+        from laminar.engine.vllm_engine import VLLMEngine
+
+        return VLLMEngine
     raise AttributeError(f"module 'laminar.engine' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "HFEngine", "build_engine"]
+__all__ = ["Engine", "HFEngine", "VLLMEngine", "build_engine"]
