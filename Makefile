@@ -64,3 +64,11 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs
+
+# The prepared GPU check (docs/devices.md): on a machine with one NVIDIA GPU, installs the CUDA
+# pieces into .venv and writes docs/results/gpu-check.json; GPU_CHECK_ARGS=--dry-run checks the
+# plan on a CPU machine instead.
+.PHONY: gpu-check
+GPU_CHECK_ARGS ?=
+gpu-check:
+	scripts/gpu-check.sh $(GPU_CHECK_ARGS)
