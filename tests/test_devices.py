@@ -46,6 +46,11 @@ def test_check_devices_at_start(monkeypatch):
         check_devices(load_config(None, ["rollout.device=cuda"]))
     # on a cluster the trainer and rollouts may run where there are GPUs: not judged here
     assert check_devices(load_config(None, ["rollout.device=cuda", "cluster.address=auto"])) == {}
+    # but Ray hides the GPU from a trainer actor that reserves none
+    with pytest.raises(ConfigError, match=r"cluster.trainer_resources=\{GPU: 1\}"):
+        check_devices(load_config(None, ["trainer.device=cuda", "cluster.address=auto"]))
+    reserved = ["trainer.device=cuda", "cluster.address=auto", "cluster.trainer_resources={GPU: 0.5}"]
+    assert check_devices(load_config(None, reserved)) == {}
 
 
 def test_cli_refuses_cuda_without_a_traceback(monkeypatch, capsys):

@@ -201,7 +201,9 @@ def job_overrides(model_dir: Path, run_dir: Path, device: str) -> list[str]:
             f"trainer.total_steps={JOB_STEPS}", "trainer.prompts_per_step=8",
             "trainer.mini_batches=2", "trainer.checkpoint_every=0", "trainer.eval_every=0",
             "task.eval_prompts=16", "rollout.num_workers=1", "cluster.virtual_nodes=1",
-            "durable_pools=true"]
+            "durable_pools=true",
+            # Ray hides GPUs from actors that ask for none: the trainer shares the GPU
+            *(["cluster.trainer_resources={GPU: 0.5}"] if device == "cuda" else [])]
 
 
 def job_command(model_dir: Path, run_dir: Path, device: str) -> tuple[list[str], list[str]]:
