@@ -102,6 +102,12 @@ def test_laminar_policy_tops_up_then_drains_once_lag_versions_are_ahead():
     assert drain.draining and drain.lease == 0 and not drain.start and not drain.pull
     assert p.decide(state(newest=2, num_in_flight=0)).pull
     assert not p.decide(state(newest=2, num_in_flight=0, held=True)).pull  # being repacked
+    # a global sync for a version only one ahead (less than the lag): drain and pull it too;
+    # under load a rollout that had pulled 7 waited for good for the last version, 8
+    sync = p.decide(state(version=7, newest=8, sync_to=8, num_in_flight=4))
+    assert sync.draining and not sync.start and not sync.pull
+    assert p.decide(state(version=7, newest=8, sync_to=8, num_in_flight=0)).pull
+    assert not p.decide(state(version=7, newest=7, sync_to=8)).draining  # not at the relay yet
     assert p.repacks and not p.mixes_versions
 
 

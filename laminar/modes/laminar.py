@@ -33,7 +33,9 @@ class Laminar:
     repacks = True  # a draining rollout's tail may move to a same-version peer
 
     def decide(self, s: LoopState) -> Decision:
-        behind = s.newest is not None and s.newest >= s.version + self.version_lag
+        # a global weight sync (`rt.sync_weights`, a test's `sync_to`) asks for a version
+        # fewer than version_lag updates ahead: drain for it too, or it waits for good
+        behind = s.sync_ready or (s.newest is not None and s.newest >= s.version + self.version_lag)
         if not behind:  # top up with the weights we hold
             return Decision(lease=0 if s.held else s.free_groups)
         # drain: start nothing (leased groups wait for the new weights), pull once empty
