@@ -312,6 +312,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     engine_cmd, engine_problems = engine_command(model_dir, work / "bench-engine.json")
     job_cmd, job_problems = job_command(model_dir, run_dir, device)
+    if device == "cpu":  # also the config the GPU run will use (it loads on any machine)
+        job_problems += [f"(cuda) {p}" for p in job_command(model_dir, run_dir, "cuda")[1]]
     plan = {"model": child("model"), "engine": engine_cmd, "relay": child("relay", 2 if a.dry_run else 3),
             "job": job_cmd}
     result["plan"] = {k: shlex.join(v) for k, v in plan.items()}
