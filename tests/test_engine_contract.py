@@ -204,7 +204,8 @@ def test_stop_token_ids_and_sequences(pair, reference):
     assert len(full) == 24, "the reference continuation must not hit EOS"
     stop_id = full[5]
     by_id = GenerationRequest("sid", list(prompt), SamplingParams(
-        temperature=0.0, max_new_tokens=24, stop_token_ids=(stop_id,)))
+        temperature=0.0, max_new_tokens=24, stop_token_ids=(stop_id, 10_000)))  # 10_000: no
+    # such token (a benchmark's "never stop"): accepted, never matched
     pair_seq = tuple(full[7:9])
     by_seq = GenerationRequest("sseq", list(prompt), SamplingParams(
         temperature=0.0, max_new_tokens=24, stop_sequences=((999, 998), pair_seq)))

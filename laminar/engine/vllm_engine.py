@@ -16,8 +16,9 @@ every engine on a machine to the same cores).
 Token ids in, token ids out: vLLM gets prompts as ids (`skip_tokenizer_init`) and never sees a
 tokenizer; the EOS id and the request's stop ids go in as `stop_token_ids`, and token stop
 sequences are checked here after each step (a hit aborts the request in vLLM and finishes it
-"stop"), as the native engine does. The model directory's generation_config is ignored, so the
-request's parameters are the only ones in force.
+"stop"), as the native engine does. The model directory's generation_config and EOS ids are
+ignored (`generation_config="vllm"`, `ignore_eos`), so the engine's EOS id and the request's
+parameters are the only ones in force.
 
 Log-probs: `logprobs_mode="processed_logprobs"` returns the log-prob under the distribution the
 token was sampled from (after temperature, top-k and top-p), the native sampler's semantics;
@@ -169,6 +170,9 @@ class VLLMEngine:
 
         self._on_cpu = current_platform.is_cpu()
         max_positions = int(config.get("max_position_embeddings") or 2048)
+        # stop ids outside the vocabulary are never sampled (a benchmark's "no EOS"); vLLM
+        # rejects them, so they stay out of its stop list
+        self._vocab_size = int(config["vocab_size"])
         per_token = kv_bytes_per_token(config, dtype)
         # vLLM refuses to start unless one request of max_model_len fits the KV cache
         self.max_model_len = min(max_positions, (kv_capacity_tokens // block_size) * block_size)
@@ -262,7 +266,9 @@ class VLLMEngine:
         sampling = self._sampling(
             temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
             max_tokens=params.max_new_tokens - len(request.output_ids),
-            stop_token_ids=sorted(live.stop_ids), logprobs=0, detokenize=False,
+            stop_token_ids=sorted(t for t in live.stop_ids if 0 <= t < self._vocab_size),
+            ignore_eos=True,  # the model directory's EOS ids: laminar's own are stop ids above
+            logprobs=0, detokenize=False,
             seed=None if self._on_cpu else params.seed, output_kind=self._delta_kind)
         live.internal_id = self._engine.add_request(
             request.request_id, self._tokens_prompt(prompt_token_ids=context), sampling)
