@@ -12,7 +12,7 @@ from laminar.metrics import summarize
 from laminar.models import build_preset
 from laminar.trainer.advantage import group_advantages
 from laminar.trainer.batching import token_budget_batches
-from laminar.trainer.loss import policy_loss, token_logprobs
+from laminar.trainer.loss import abs_diff_summary, fresh_abs_diffs, policy_loss, token_logprobs
 from laminar.trainer.trainer import NonFiniteTraining, Trainer, collate, split_groups
 from laminar.types import Trajectory
 
@@ -92,6 +92,9 @@ def test_collate_aligns_behaviour_logprobs_with_the_predicting_positions():
     assert b.old_logprobs[0, 2:].tolist() == pytest.approx([-0.1, -0.2, -0.3])
     assert b.response_mask[1].tolist() == [0, 1, 0, 0, 0]
     assert b.num_response_tokens == 4
+    assert b.token_versions[0, 2:].tolist() == [0, 0, 0]  # one version per trajectory
+    t.token_versions = [3, 3, 4]  # partial mode: per token
+    assert collate([t], torch.tensor([1.0]), 0).token_versions[0].tolist() == [0, 0, 3, 3, 4]
 
 
 def test_token_budget_batches():
@@ -228,3 +231,68 @@ def test_a_nonfinite_loss_skips_the_update_and_k_in_a_row_stop_training(caplog):
     trainer.train_step(batch(nan=True))
     with pytest.raises(NonFiniteTraining, match=r"3 optimizer updates in a row up to step 6"):
         trainer.train_step(batch(nan=True))
+
+
+# ------------------------------------------------------------- engine-trainer log-prob mismatch
+
+
+def test_engine_trainer_mismatch_by_hand():
+    """Only trained tokens (mask 1) that the trainer's own version sampled count."""
+    trainer_lp = torch.tensor([[-1.0, -2.0, -3.0, 0.0], [-0.5, -0.5, -0.5, -0.5]])
+    engine_lp = torch.tensor([[-1.1, -2.0, -2.7, -9.0], [-0.5, -0.9, 0.0, -0.5]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 1.0]])  # 0: padding, observation
+    versions = torch.tensor([[4, 4, 4, 4], [4, 3, 4, 4]])  # [1, 1] sampled by version 3: stale
+    diffs = fresh_abs_diffs(trainer_lp, engine_lp, mask, versions, 4)
+    assert diffs.tolist() == pytest.approx([0.1, 0.0, 0.3, 0.0, 0.0], abs=1e-6)
+    summary = abs_diff_summary([diffs[:2], diffs[2:]])  # micro-batches and ranks concatenate
+    assert summary["logprob_abs_diff_mean"] == pytest.approx(0.08, abs=1e-6)
+    # p99 interpolates linearly between order statistics: 0.1 + 0.96 * (0.3 - 0.1)
+    assert summary["logprob_abs_diff_p99"] == pytest.approx(0.292, abs=1e-6)
+    import numpy as np
+
+    assert summary["logprob_abs_diff_p99"] == pytest.approx(float(np.percentile(diffs, 99)), abs=1e-6)
+    assert fresh_abs_diffs(trainer_lp, engine_lp, mask, versions, 3).tolist() == pytest.approx([0.4])
+    none = {"logprob_abs_diff_mean": None, "logprob_abs_diff_p99": None}
+    assert fresh_abs_diffs(trainer_lp, engine_lp, mask, versions, 5).numel() == 0
+    assert abs_diff_summary([fresh_abs_diffs(trainer_lp, engine_lp, mask, versions, 5)]) == none
+    assert abs_diff_summary([]) == none
+
+
+def _engine_logprobs_of(trainer, trajs):
+    """Record, as an engine would, the log-probs of the trainer's current weights."""
+    with torch.no_grad():
+        lp = trainer.sequence_logprobs(trainer.model, collate(trajs, torch.zeros(len(trajs)), 0))
+    for row, t in enumerate(trajs):
+        start = len(t.prompt_ids) - 1
+        t.logprobs = lp[row, start:start + len(t.response_ids)].tolist()
+
+
+@pytest.mark.parametrize("mode", ["rollout", "recompute"])
+def test_the_mismatch_uses_the_weights_the_version_was_published_with(mode):
+    """Trajectories whose engine log-probs are the version's own: |diff| ~ 0. Without a
+    proximal copy only tokens trained before the global batch's first optimizer step are
+    compared (after it the weights are no version's); with one (recompute) every mini-batch
+    is; stale tokens never are."""
+    torch.manual_seed(0)
+    trainer = Trainer(build_preset("tiny"), TrainerConfig(lr=1e-2, mini_batches=2,
+                                                          old_logprobs=mode), pad_token_id=0)
+    trainer.version = 2
+    fresh = [_traj(i, "g", [1, 5, 6 + i], [7, 8 + i, 9, 2], version=2, reward=float(i % 2))
+             for i in range(4)]
+    _engine_logprobs_of(trainer, fresh)
+    stale = [_traj(4 + i, "s", [1, 5], [7, 2], version=1, reward=float(i)) for i in range(2)]
+    stats = trainer.train_step(fresh + stale)  # mini-batches: group g, then s
+    assert stats["logprob_abs_diff_mean"] < 1e-6 and stats["logprob_abs_diff_p99"] < 1e-6
+    # the fresh tokens trained second: compared only against the proximal copy
+    for t in fresh:
+        t.version = 3
+    _engine_logprobs_of(trainer, fresh)
+    stats = trainer.train_step(stale + fresh)  # s first (a step), then g
+    if mode == "rollout":
+        assert stats["logprob_abs_diff_mean"] is None and stats["logprob_abs_diff_p99"] is None
+    else:
+        assert stats["logprob_abs_diff_p99"] < 1e-6
+    # the moved weights would have shown: the second mini-batch's log-probs are far off
+    assert trainer.last_minibatches[1]["ratio_mean"] != pytest.approx(1.0, abs=1e-4)
+    stats = trainer.train_step(fresh)  # version 4 now: every token stale
+    assert stats["logprob_abs_diff_mean"] is None and stats["logprob_abs_diff_p99"] is None

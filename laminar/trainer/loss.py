@@ -7,10 +7,16 @@ the trainer passes recomputed proximal log-probs and behaviour weights (decouple
 `behaviour_weights`); the KL term (off by default) is the k3 estimator against a frozen
 reference model.
 
+The engine-trainer mismatch (`fresh_abs_diffs`, `abs_diff_summary`): on tokens sampled by the
+very weights the trainer computes with (staleness 0), |engine log-prob - trainer log-prob| is
+the two implementations' numerics alone; the step row reports its mean and p99.
+
 All functions are pure; shapes are [batch, time] with a 0/1 mask over response tokens.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -58,3 +64,28 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def fresh_abs_diffs(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
+                    mask: torch.Tensor, token_versions: torch.Tensor, version: int) -> torch.Tensor:
+    """|engine - trainer| log-prob of every trained token (`mask` > 0) that weights `version`
+    sampled (`token_versions` == version), where `trainer_logprobs` were computed with exactly
+    the weights published as `version`. All [B, T]; returns a 1-D float32 CPU tensor (maybe
+    empty), no gradient."""
+    keep = (mask > 0) & (token_versions == version)
+    return (engine_logprobs.detach().float() - trainer_logprobs.detach().float()).abs()[keep].cpu()
+
+
+def abs_diff_summary(diffs: Sequence[torch.Tensor]) -> dict[str, float | None]:
+    """`logprob_abs_diff_mean` and `logprob_abs_diff_p99` (linear interpolation between the
+    order statistics, as numpy.percentile) of all the values in `diffs`; both None when there
+    are none."""
+    values = torch.cat([d.reshape(-1).double() for d in diffs]) if diffs else torch.empty(0)
+    if values.numel() == 0:
+        return {"logprob_abs_diff_mean": None, "logprob_abs_diff_p99": None}
+    ordered = values.sort().values
+    pos = 0.99 * (ordered.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, ordered.numel() - 1)
+    p99 = ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return {"logprob_abs_diff_mean": float(values.mean()), "logprob_abs_diff_p99": float(p99)}

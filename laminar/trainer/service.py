@@ -164,7 +164,9 @@ class TrainerService:
         resumed_at = self.trainer.version
         if self._state_file.exists():  # number on after the newest version already published
             published = json.loads(self._state_file.read_text())["published"]
-            self.trainer.version = max(self.trainer.version, published)
+            if published > self.trainer.version:  # its number names weights not at hand
+                self.trainer.version = published
+                self.trainer.weights_are_version = False
         audit = self.cfg.resolved_run_dir / "trajectories.jsonl"
         drop_torn_last_line(audit)  # the kill may have landed mid-append
         with audit.open("a") as f:
@@ -277,7 +279,8 @@ class TrainerService:
         summary = summarize(trajs)
         interval = now - self.last_update if self.last_update is not None else None
         self.last_update = now
-        row = {**summary, **stats, "version": self.trainer.version, "step": self.steps, "push_stall_s": stall,
+        row = {**summary, **stats, "version": self.trainer.version, "step": self.steps,
+               "engine_backend": self.cfg.rollout.engine.backend, "push_stall_s": stall,
                "train_wall_s": now - t0, "update_interval_s": interval,
                "throughput_tokens_per_s": summary["batch_tokens"] / interval if interval else None,
                "trainer_idle_s": self.idle_s, "spans": self.spans, "published_at": time.time()}

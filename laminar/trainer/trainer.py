@@ -22,7 +22,13 @@ Parts:
 - with `trainer.lora` the model gets peft adapters on a frozen base (`_with_lora`), the optimizer
   holds only the adapters, and a pushed version holds only them (`adapter_weights`: A, and B
   pre-multiplied by alpha / r, named after the base's modules; laminar/engine/lora.py merges
-  them at the rollout); `merged_state_dict` is the base with the adapters merged in.
+  them at the rollout); `merged_state_dict` is the base with the adapters merged in;
+- the engine-trainer mismatch: the trained tokens of a global batch that the weights of the
+  trainer's current version sampled (staleness 0) are compared with the log-probs of exactly
+  those weights: the first forward of each mini-batch before the global batch's first optimizer
+  step, or the proximal copy's (recompute / decoupled: those weights all through the global
+  batch); the ranks gather every value, and the global batch reports
+  `logprob_abs_diff_mean` / `_p99` (None without such a token; loss.py `abs_diff_summary`).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from laminar.config import TrainerConfig
 from laminar.devices import resolve_device, to_host
 from laminar.trainer.advantage import group_advantages
-from laminar.trainer.loss import policy_loss, token_logprobs
+from laminar.trainer.loss import abs_diff_summary, fresh_abs_diffs, policy_loss, token_logprobs
 from laminar.trainer.ranks import Ranks, plan_micro_batches, shard
 from laminar.types import Trajectory
 
@@ -63,6 +69,8 @@ class Batch:
     response_mask: torch.Tensor  # [B, L-1] 1 where the target is a response token
     old_logprobs: torch.Tensor  # [B, L-1] behaviour log-probs at the response positions
     advantages: torch.Tensor  # [B]
+    token_versions: torch.Tensor  # [B, L-1] the weight version that sampled each response
+    # token (read under response_mask; 0 elsewhere)
 
     @property
     def num_response_tokens(self) -> int:
@@ -79,6 +87,7 @@ def collate(trajs: list[Trajectory], advantages: torch.Tensor, pad_token_id: int
     attention_mask = torch.zeros((B, width), dtype=torch.long)
     response_mask = torch.zeros((B, width - 1))
     old_logprobs = torch.zeros((B, width - 1))
+    token_versions = torch.zeros((B, width - 1), dtype=torch.long)
     for row, t in enumerate(trajs):
         seq = t.prompt_ids + t.response_ids
         input_ids[row, :len(seq)] = torch.tensor(seq)
@@ -88,7 +97,10 @@ def collate(trajs: list[Trajectory], advantages: torch.Tensor, pad_token_id: int
         response_mask[row, start:end] = (1.0 if t.loss_mask is None else  # observations: context
                                           torch.tensor(t.loss_mask, dtype=torch.float32))
         old_logprobs[row, start:end] = torch.tensor(t.logprobs, dtype=torch.float32)
-    return Batch(input_ids, attention_mask, input_ids[:, 1:], response_mask, old_logprobs, advantages)
+        mixed = t.token_versions is not None and len(t.token_versions) == len(t.response_ids)
+        token_versions[row, start:end] = torch.tensor(t.token_versions) if mixed else t.version
+    return Batch(input_ids, attention_mask, input_ids[:, 1:], response_mask, old_logprobs,
+                 advantages, token_versions)
 
 
 def split_groups(trajs: list[Trajectory], parts: int) -> list[list[Trajectory]]:
@@ -116,6 +128,11 @@ class Trainer:
         self._prox_due = True  # the first update of a global batch refreshes `prox_model`
         self.nonfinite_in_a_row = 0  # updates skipped for a NaN / inf loss or gradient, in a row
         self.last_minibatches: list[dict[str, float]] = []  # those of the last finished one
+        self.weights_are_version = True  # the live weights are exactly those published (or to
+        # be published) as `version`: False after an optimizer step until the version closes,
+        # and after a restart numbered past its checkpoint (service.py `_recover`)
+        self._prox_are_version = False  # the same of `prox_model`, as of its last refresh
+        self._lp_diffs: list[torch.Tensor] = []  # this global batch's engine-trainer |diffs|
         model = model.to(self.device).train()
         self.peft_model: Any = None  # trainer.lora: peft's wrapper (save_pretrained of the adapter)
         self.lora_base: str | None = None  # trainer.lora: the model directory of the frozen base
@@ -175,7 +192,7 @@ class Trainer:
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         return token_logprobs(logits[:, :-1], batch.targets, self.temperature)
 
-    def train_step(self, trajs: list[Trajectory]) -> dict[str, float]:
+    def train_step(self, trajs: list[Trajectory]) -> dict[str, float | None]:
         """One global batch: `mini_batches` optimizer updates, then version += 1."""
         for mb in split_groups(trajs, self.cfg.mini_batches):
             self.train_minibatch(mb)
@@ -200,16 +217,25 @@ class Trainer:
                                   self.cfg.micro_batch_tokens)
         steps = max(len(micro) for micro in plan)  # every rank runs as many forward passes
         refresh = self._prox_due and self.prox_model is not None
+        if refresh:
+            self._prox_are_version = self.weights_are_version
+        # the log-probs of the weights published as this version: which tokens to compare
+        exact = self._prox_are_version if self.prox_model is not None else self.weights_are_version
+        measure = self.version if exact else None
         args = [([([trajs[i] for i in g], [adv[i] for i in g]) for g in micro], num_tokens, steps,
-                 refresh) for micro in plan]
+                 refresh, measure) for micro in plan]
         if self.ranks is None:
-            sums = self.train_shard(*args[0])
+            answers = [self.train_shard(*args[0])]
         else:
-            sums = self.ranks.call(self, Trainer.train_shard, args)[0]
+            answers = self.ranks.call(self, Trainer.train_shard, args)
+        sums = answers[0]
+        diffs = [answer.pop("lp_abs_diffs") for answer in answers]
         self._prox_due = False
         if sums.pop("finite"):
             self.nonfinite_in_a_row = 0
             sums["nonfinite_skipped"] = 0
+            self._lp_diffs += diffs
+            self.weights_are_version = False  # stepped: no longer the published weights
         else:
             self._skip_nonfinite(sums["loss"], sums["grad_norm"])
             sums = {"nonfinite_skipped": 1}
@@ -217,16 +243,20 @@ class Trainer:
         self._pending.append(sums)
 
     def train_shard(self, micro_batches: list[tuple[list[Trajectory], list[float]]],
-                    num_tokens: int, steps: int, refresh_prox: bool) -> dict[str, Any]:
+                    num_tokens: int, steps: int, refresh_prox: bool,
+                    measure: int | None = None) -> dict[str, Any]:
         """This rank's part of one optimizer update (every rank runs it at once): forward and
         backward over its micro-batches (trajectories, advantages), padded to `steps` with empty
         ones, the loss of each divided by the mini-batch's `num_tokens`; then the gradient norm,
         clipping and the step (or no step, on every rank alike, when the summed loss or the
-        norm is not finite). Returns the mini-batch's statistics, summed over the ranks."""
+        norm is not finite). Returns the mini-batch's statistics, summed over the ranks, and
+        this rank's own `lp_abs_diffs`: |engine - trainer| log-prob of its trained tokens that
+        version `measure` sampled (None: the weights at hand are no published version's)."""
         if refresh_prox:  # a new global batch begins: the proximal weights are these
             self.prox_model.load_state_dict(self.module.state_dict())
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
+        diffs: list[torch.Tensor] = []
         for k in range(steps):
             if k < len(micro_batches):
                 trajs, adv = micro_batches[k]
@@ -234,7 +264,10 @@ class Trainer:
             else:
                 batch = self._empty_batch()
             with self._gradient_sync(k == steps - 1):
-                loss, stats = self._loss(batch, num_tokens)
+                loss, stats, lp = self._loss(batch, num_tokens)
+            if measure is not None:
+                diffs.append(fresh_abs_diffs(lp, batch.old_logprobs, batch.response_mask,
+                                             batch.token_versions, measure))
                 # DDP and FSDP average gradients over the ranks; each rank's loss is its share
                 # of the mini-batch's mean, so scale it back to a sum (exact: a power of two or 1)
                 (loss * self.world_size if self.world_size > 1 else loss).backward()
@@ -246,6 +279,7 @@ class Trainer:
                 sums[key] = sums.get(key, 0.0) + value * weight
         if self.ranks is not None:
             sums = self.ranks.all_reduce_sum(sums)
+        sums["lp_abs_diffs"] = torch.cat(diffs) if diffs else torch.empty(0)  # not reduced
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         sums["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         sums["finite"] = math.isfinite(sums["loss"]) and math.isfinite(sums["grad_norm"])
@@ -275,7 +309,8 @@ class Trainer:
         micro-batches than another runs these, since every forward and backward is a collective."""
         ids = torch.full((1, 2), self.pad_token_id, dtype=torch.long)
         zeros = torch.zeros((1, 1))
-        return Batch(ids, torch.ones_like(ids), ids[:, 1:], zeros, zeros, torch.zeros(1)).to(self.device)
+        return Batch(ids, torch.ones_like(ids), ids[:, 1:], zeros, zeros, torch.zeros(1),
+                     torch.zeros((1, 1), dtype=torch.long)).to(self.device)
 
     def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
         """This update was dropped (no optimizer step); too many in a row end training."""
@@ -292,12 +327,15 @@ class Trainer:
                 "from the newest checkpoint with a lower trainer.lr, or look for NaN / inf in the "
                 "rewards and log-probs")
 
-    def finish_global_batch(self) -> dict[str, float]:
+    def finish_global_batch(self) -> dict[str, float | None]:
         """Close the global batch: version += 1; returns the mini-batches' mean stats (over
-        those that made an update) and the sums of `train_s` and `nonfinite_skipped`."""
+        those that made an update), the sums of `train_s` and `nonfinite_skipped`, and the
+        engine-trainer mismatch of its staleness-0 tokens (`abs_diff_summary`)."""
         pending, self._pending = self._pending, []
         self.last_minibatches = pending
+        diffs, self._lp_diffs = self._lp_diffs, []
         self.version += 1
+        self.weights_are_version = True  # these weights are what the new version publishes
         self._prox_due = True
         keys = dict.fromkeys(key for p in pending for key in p)
         metrics = {}
@@ -306,9 +344,11 @@ class Trainer:
             metrics[key] = sum(values) / len(values)
         for key in ("train_s", "nonfinite_skipped"):
             metrics[key] = sum(p[key] for p in pending)
-        return metrics
+        return {**metrics, **abs_diff_summary(diffs)}
 
-    def _loss(self, batch: Batch, num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, batch: Batch, num_tokens: int) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+        """The loss, its statistics, and the log-probs of the weights this global batch began
+        with: the proximal copy's where there is one, else the live model's (no gradient)."""
         logprobs = self.sequence_logprobs(self.model, batch)
         ref = None
         if self.ref_model is not None:
@@ -327,7 +367,8 @@ class Trainer:
                          "behaviour_capped": float(capped.sum() / n)}
         loss, stats = policy_loss(logprobs, old, batch.advantages, mask, self.cfg.eps_low,
                                   self.cfg.eps_high, ref, self.cfg.kl_coef, num_tokens, weights)
-        return loss, {**stats, **extra}
+        start = old if self.prox_model is not None else logprobs.detach()
+        return loss, {**stats, **extra}, start
 
     # ------------------------------------------------------------------------- weights out
 
@@ -390,4 +431,6 @@ class Trainer:
         """Restore weights, optimizer, version and RNG; returns the caller state saved with it."""
         from laminar.trainer.checkpoint import load
 
-        return load(self, Path(path))
+        extra = load(self, Path(path))
+        self.weights_are_version = True  # the weights saved as its version
+        return extra
