@@ -24,7 +24,10 @@ Versions: `load_weights` copies tensors into the model in place; a request admit
 gets its version (`request.version`, kept from then on) and every token it generates is stamped
 with the version that made it (`request.token_versions`, parallel to `output_ids`). It refuses while a
 request that already has tokens from the loaded weights is in the engine, unless forced; a forced
-swap lets in-flight requests continue on their cached keys and values.
+swap lets in-flight requests continue on their cached keys and values. The engine runs where
+its model is (the caller places it: laminar/rollout/build.py moves it to `rollout.device`); on a
+GPU, loads go host -> device through a pinned staging buffer allocated once per engine
+(`laminar/devices.py: stage_copy`), on the CPU they are one `copy_` per tensor.
 
 `Engine` is the reference `RolloutEngine` (protocol.py). Its `model`, `runner` and `scheduler`
 are internals: engine-side code and engine tests may read them; nothing outside
@@ -39,6 +42,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from laminar.devices import StagingBuffer, stage_copy
 from laminar.engine.model_runner import ModelRunner
 from laminar.engine.sampler import SamplingRows, sample
 from laminar.engine.scheduler import Scheduler
@@ -60,6 +64,8 @@ class Engine:
             raise ValueError(f"kv_capacity_tokens={kv_capacity_tokens} must be >= 1")
         self.runner = ModelRunner(model, num_slots=max_batch_size)
         self.model = self.runner.model
+        # pinned host memory for loads into a GPU model, allocated once (None on the CPU)
+        self.staging = StagingBuffer.for_device(self.runner.device)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id  # unused: no padding is ever fed; kept for parity
         self.max_batch_size = max_batch_size
@@ -231,17 +237,19 @@ class Engine:
                 "finish, abort them, or pass force=True to continue them on the new weights")
         targets = dict(self.model.state_dict(keep_vars=True))
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        with torch.no_grad():
-            for name, tensor in items:
-                target = targets.get(name)
-                if target is None:
-                    raise KeyError(f"load_weights: '{name}' is not a tensor of this model "
-                                   f"(expected names like '{next(iter(targets))}')")
-                tensor = torch.as_tensor(tensor)
-                if tensor.shape != target.shape:
-                    raise ValueError(f"load_weights: '{name}' has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {tuple(target.shape)}")
-                target.copy_(tensor)
+        dst, src = {}, {}
+        for name, tensor in items:
+            target = targets.get(name)
+            if target is None:
+                raise KeyError(f"load_weights: '{name}' is not a tensor of this model "
+                               f"(expected names like '{next(iter(targets))}')")
+            tensor = torch.as_tensor(tensor)
+            if tensor.shape != target.shape:
+                raise ValueError(f"load_weights: '{name}' has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(target.shape)}")
+            dst[name], src[name] = target, tensor
+        # host -> device through the staging buffer on a GPU; one copy_ per tensor on the CPU
+        stage_copy(dst, src, self.staging)
         self.runner.refresh()
         self.version = version
 

@@ -58,7 +58,7 @@ def adapter_modules(names: Iterable[str]) -> list[str]:
 def merge(base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor]
           ) -> dict[str, torch.Tensor]:
     """W = W0 + B @ A for every module of `adapters`; `base` maps `<module>.weight` to W0
-    ([out, in]). Returns `<module>.weight` -> W, new tensors in W0's dtype."""
+    ([out, in]). Returns `<module>.weight` -> W, new tensors in W0's dtype, on W0's device."""
     out = {}
     for m in adapter_modules(adapters):
         w0 = base.get(f"{m}.weight")
@@ -72,7 +72,9 @@ def merge(base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor]
         if b.shape[0] != w0.shape[0] or a.shape[1] != w0.shape[1] or a.shape[0] != b.shape[1]:
             raise ValueError(f"adapter of '{m}': lora_B {tuple(b.shape)} @ lora_A {tuple(a.shape)} "
                              f"does not make the base weight's {tuple(w0.shape)}")
-        out[f"{m}.weight"] = w0 + (b.to(w0.dtype) @ a.to(w0.dtype))
+        # adapters come from host shared memory: on W0's device and dtype before the product
+        b, a = b.to(device=w0.device, dtype=w0.dtype), a.to(device=w0.device, dtype=w0.dtype)
+        out[f"{m}.weight"] = w0 + b @ a
     return out
 
 

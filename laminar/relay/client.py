@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from laminar.config import RelayConfig
+from laminar.devices import StagingBuffer, load_into_module
 from laminar.relay.chain import Inbox, feed_version, request
 from laminar.relay.plan import ChainPlan, RelayInfo, choose_master
 from laminar.relay.reader import ShmReader, Snapshot
@@ -292,19 +293,27 @@ class Puller:
         self.reader.close()
 
 
-def copy_into_module(module: torch.nn.Module, named: Mapping[str, torch.Tensor]) -> None:
-    """Copy every tensor of `named` into the module's state dict, which must have the same names."""
+def copy_into_module(module: torch.nn.Module, named: Mapping[str, torch.Tensor],
+                     staging: StagingBuffer | None = None) -> None:
+    """Copy every tensor of `named` into the module's state dict, which must have the same names,
+    wherever the module is (`laminar.devices.load_into_module`). On a GPU the copies go through
+    `staging` (pinned host memory; without one, a buffer is allocated for this call: a caller that
+    pulls into the same GPU module again and again should keep one and pass it)."""
     state = module.state_dict()
     missing, extra = sorted(set(state) - set(named)), sorted(set(named) - set(state))
     if missing or extra:
         raise ValueError(f"pulled weights do not match the model: missing {missing[:5]} "
                          f"({len(missing)} in all), unexpected {extra[:5]} ({len(extra)} in all); "
                          "push the same model's state_dict() the rollout runs")
-    with torch.no_grad():
-        for name, dst in state.items():
-            src = named[name]
-            if src.shape != dst.shape:
-                raise ValueError(f"pulled tensor '{name}' has shape {tuple(src.shape)}, the model's "
-                                 f"has {tuple(dst.shape)}")
-            dst.copy_(src, non_blocking=False)
+    device = torch.device("cpu")
+    for name, dst in state.items():
+        src = named[name]
+        if src.shape != dst.shape:
+            raise ValueError(f"pulled tensor '{name}' has shape {tuple(src.shape)}, the model's "
+                             f"has {tuple(dst.shape)}")
+        if dst.device.type == "cuda":
+            device = dst.device
+    if staging is None:
+        staging = StagingBuffer.for_device(device)  # None on the CPU: one copy_ per tensor
+    load_into_module(module, named, staging)
 
