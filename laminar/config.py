@@ -333,6 +333,14 @@ class ClusterConfig(Section):
         default_factory=dict, description="On a cluster: Ray resources the trainer actor asks for "
         "(e.g. {GPU: 1} or a custom resource of the node it should run on); empty = the driver's "
         "node.")
+    rollout_resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray resources each rollout actor reserves (it stays on "
+        "its relay's node), e.g. {GPU: 0.5}: two rollouts per GPU, or one beside a trainer "
+        "holding the other half. Ray hides GPUs from an actor that reserves none, so "
+        "rollout.device=cuda under cluster.backend=ray needs a GPU here (refused at start "
+        "without one) and rollout.device=auto is the CPU. Each of rollout.num_workers reserves "
+        "this much: they and cluster.trainer_resources must fit the cluster's GPUs. Empty = no "
+        "GPU.")
     trainer_placement: Literal["spread", "pack"] = Field(
         "spread", description="trainer.world_size > 1 on a cluster: `spread` puts the ranks one "
         "per node where possible; `pack` on as few nodes as possible, beside rank 0 on the "

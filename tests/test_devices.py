@@ -157,3 +157,118 @@ def test_stage_copy_into_cuda_through_pinned_halves():
     assert staging is not None and staging.pinned
     stage_copy(dst, src, staging)
     assert all(torch.equal(dst[k].cpu(), src[k]) for k in src)
+
+
+# ------------------------------------------------------------------------ the rollout side
+
+
+def test_rollout_cuda_under_ray_needs_a_gpu_reserved():
+    """Ray hides GPUs from a rollout actor that reserves none: refused at start, one line with
+    the key, the value and the fix (the trainer's twin is check_devices)."""
+    from laminar.runtime.cluster import check_rollout_resources
+
+    with pytest.raises(ConfigError) as e:
+        check_rollout_resources(load_config(None, ["rollout.device=cuda"]))
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("rollout.device=cuda with cluster.backend=ray")
+    assert "cluster.rollout_resources={GPU: 1}" in msg and "0.5" in msg
+    with pytest.raises(ConfigError, match="rollout_resources"):  # a custom resource is no GPU
+        check_rollout_resources(load_config(None, ["rollout.device=cuda",
+                                                   "cluster.rollout_resources={accel: 1, GPU: 0}"]))
+    for ok in (["rollout.device=cuda", "cluster.rollout_resources={GPU: 0.5}"],
+               ["rollout.device=cuda", "cluster.backend=local"],  # one process: sees every GPU
+               ["rollout.device=auto"], ["rollout.device=cpu"]):
+        check_rollout_resources(load_config(None, ok))
+    assert load_config(None).cluster.rollout_resources == {}
+
+
+def test_resources_become_ray_options_ray_accepts():
+    """Ray takes CPUs and GPUs as num_cpus / num_gpus and refuses them inside `resources`: a
+    trainer or rollout reserving {GPU: 0.5} must not fail at `.options()`."""
+    import ray
+
+    from laminar.runtime.cluster import THREADED, ray_resources
+
+    assert ray_resources({}) == {}
+    opts = ray_resources({"GPU": 0.5, "CPU": 2, "accel": 1})
+    assert opts == {"num_gpus": 0.5, "num_cpus": 2.0, "resources": {"accel": 1.0}}
+
+    class Actor:
+        pass
+
+    ray.remote(Actor).options(**{**THREADED, **opts})  # validated here, no cluster needed
+    with pytest.raises(ValueError, match="num_gpus"):  # what a raw mapping did
+        ray.remote(Actor).options(resources={"GPU": 0.5})
+
+
+def _tokenizer():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(eos_token_id=1, pad_token_id=0)
+
+
+def test_engine_factory_places_the_native_engine_on_rollout_device(monkeypatch):
+    from laminar.models import build_preset
+    from laminar.rollout.build import engine_factory
+
+    cfg = load_config(None, ["rollout.device=cpu"])
+    engine = engine_factory(cfg, "unused", _tokenizer(), 3, 0)(build_preset("tiny"))
+    assert engine.runner.device.type == "cpu" and engine.staging is None and engine.version == 3
+    monkeypatch.setattr(devices, "cuda_available", lambda: False)
+    with pytest.raises(ConfigError, match="rollout.device=cuda"):  # in the rollout's process
+        engine_factory(load_config(None, ["rollout.device=cuda"]), "unused", _tokenizer(), 0, 0)
+
+
+def test_engine_loads_through_a_staging_buffer_as_with_plain_copies():
+    """The native engine's load_weights with a (small, unpinned) staging buffer, the packing
+    path a GPU takes: same weights as the plain copies, a partial load touches only its names,
+    and a bad name or shape is refused before anything is copied."""
+    from laminar.engine.engine import Engine
+    from laminar.models import build_preset
+
+    src = build_preset("tiny", seed=1).state_dict()
+    staged, plain = (Engine(build_preset("tiny", seed=2), 1, 0) for _ in range(2))
+    staged.staging = StagingBuffer.allocate(4096, pin=False)
+    staged.load_weights(src, 1)
+    plain.load_weights(iter(src.items()), 1)
+    for (k, a), b in zip(staged.model.state_dict().items(), plain.model.state_dict().values()):
+        assert torch.equal(a, b) and torch.equal(a, src[k]), k
+    assert staged.version == plain.version == 1
+    before = {k: v.clone() for k, v in staged.model.state_dict().items()}
+    name = "model.norm.weight"
+    with pytest.raises(KeyError, match="not a tensor of this model"):
+        staged.load_weights({name: torch.zeros_like(src[name]), "nope": torch.zeros(1)}, 2)
+    with pytest.raises(ValueError, match="the model expects"):
+        staged.load_weights({name: torch.zeros_like(src[name]), "lm_head.weight": torch.zeros(2)}, 2)
+    assert all(torch.equal(before[k], v) for k, v in staged.model.state_dict().items())
+    assert staged.version == 1
+    staged.load_weights({name: torch.zeros_like(src[name])}, 2)
+    assert not staged.model.state_dict()[name].any() and staged.version == 2
+
+
+def test_copy_into_module_keeps_its_messages_and_stages():
+    from laminar.models import build_preset
+    from laminar.relay.client import copy_into_module
+
+    src, dst = build_preset("tiny", seed=1), build_preset("tiny", seed=2)
+    copy_into_module(dst, src.state_dict(), StagingBuffer.allocate(1024, pin=False))
+    assert all(torch.equal(a, b) for a, b in zip(src.state_dict().values(), dst.state_dict().values()))
+    with pytest.raises(ValueError, match="pulled weights do not match the model"):
+        copy_into_module(dst, {"x": torch.zeros(1)})
+    bad = dict(src.state_dict(), **{"model.norm.weight": torch.zeros(3)})
+    with pytest.raises(ValueError, match="pulled tensor 'model.norm.weight' has shape"):
+        copy_into_module(dst, bad)
+
+
+def test_lora_merge_follows_w0s_device_and_dtype():
+    """Adapters come from host shared memory; W0 may live on the engine's device (the meta
+    device stands in for a GPU here: a product across devices would raise)."""
+    from laminar.engine.lora import merge
+
+    w0 = torch.zeros(4, 3, dtype=torch.bfloat16, device="meta")
+    adapters = {"m.lora_A": torch.ones(2, 3), "m.lora_B": torch.ones(4, 2)}
+    w = merge({"m.weight": w0}, adapters)["m.weight"]
+    assert w.device.type == "meta" and w.dtype == torch.bfloat16 and w.shape == (4, 3)
+    host = merge({"m.weight": torch.zeros(4, 3)}, adapters)["m.weight"]
+    assert torch.equal(host, torch.full((4, 3), 2.0))

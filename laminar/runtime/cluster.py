@@ -14,6 +14,11 @@
   driver (laminar/modes/<mode>.py) only says where it waits.
 - Every wait fails after `cluster.wait_timeout_s` naming the stuck component; a trainer that
   died surfaces as `TrainerRestarted`, so the driver can make its call again.
+- GPUs: Ray shows an actor only the GPUs it reserves (`CUDA_VISIBLE_DEVICES=''` for one that
+  reserves none). The trainer reserves `cluster.trainer_resources`, each rollout
+  `cluster.rollout_resources` (`ray_resources` turns them into Ray's options);
+  `check_rollout_resources` refuses `rollout.device=cuda` without a GPU there before anything
+  starts (the trainer's twin is in laminar/devices.py: check_devices).
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ import time
 import uuid
 from functools import cached_property
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import ray
 
-from laminar.config import Config
+from laminar.config import Config, ConfigError
 from laminar.rollout.policy import Policy
 from laminar.runtime import TrainerRestarted, ray_env_defaults
 from laminar.runtime.placement import place
@@ -37,6 +43,33 @@ from laminar.types import RolloutSnapshot
 
 LIGHT = {"num_cpus": 0}
 THREADED = {"num_cpus": 0, "max_concurrency": 8}
+
+
+def ray_resources(resources: Mapping[str, float]) -> dict[str, Any]:
+    """Ray actor options reserving `resources` (a `cluster.*_resources` mapping such as
+    {GPU: 0.5, accel: 1}): Ray takes CPUs and GPUs as `num_cpus` / `num_gpus`, and refuses them
+    inside `resources`; every other name is a custom resource."""
+    opts: dict[str, Any] = {}
+    if "CPU" in resources:
+        opts["num_cpus"] = float(resources["CPU"])
+    if "GPU" in resources:
+        opts["num_gpus"] = float(resources["GPU"])
+    custom = {k: float(v) for k, v in resources.items() if k not in ("CPU", "GPU")}
+    if custom:
+        opts["resources"] = custom
+    return opts
+
+
+def check_rollout_resources(cfg: Config) -> None:
+    """At start: `rollout.device=cuda` under Ray needs a GPU in `cluster.rollout_resources` (Ray
+    hides GPUs from an actor that asks for none, so the rollout would find no CUDA device only
+    once it started). One ConfigError line naming the key, the value and the fix."""
+    gpus = float(cfg.cluster.rollout_resources.get("GPU", 0))
+    if cfg.cluster.backend == "ray" and cfg.rollout.device == "cuda" and gpus <= 0:
+        raise ConfigError("rollout.device=cuda with cluster.backend=ray needs a GPU reserved for "
+                          "each rollout (Ray hides GPUs from an actor that asks for none): set "
+                          "cluster.rollout_resources={GPU: 1}, or a fraction such as 0.5 to "
+                          "share a GPU between rollouts or with the trainer")
 
 
 class ClusterRuntime:
@@ -78,6 +111,7 @@ class ClusterRuntime:
         from laminar.trainer.actor import TrainerActor, start_trainer_group
 
         cfg = self.cfg
+        check_rollout_resources(cfg)  # before anything starts
         secret = (os.environ.get(cfg.relay.secret_env) or secrets.token_hex(16)).encode()
         self._init_ray(secret)
         self.job = uuid.uuid4().hex[:8]
@@ -116,10 +150,10 @@ class ClusterRuntime:
                 cfg, self.model_dir, self.model_source, self.relays.plan.to_dict(), secret,
                 self.names, self.node_ips.get(self.head or ""))
         else:
-            trainer_opts = ({"resources": dict(cfg.cluster.trainer_resources)}
-                            if cfg.cluster.trainer_resources else pin(self.head))
+            trainer_opts = ({**THREADED, **ray_resources(cfg.cluster.trainer_resources)}
+                            if cfg.cluster.trainer_resources else {**THREADED, **pin(self.head)})
             self.trainer = ray.remote(TrainerActor).options(
-                **THREADED, **trainer_opts, name=self.names["trainer"],
+                **trainer_opts, name=self.names["trainer"],
                 max_restarts=cfg.trainer.max_restarts).remote(
                 cfg, self.model_dir, self.relays.plan.to_dict(), secret, self.names)
         repack = cfg.manager.repack and self.policy.repacks
@@ -208,9 +242,11 @@ class ClusterRuntime:
         """How a rollout actor starts; the manager starts a dead one's replacement from it."""
         from laminar.manager.actor import RolloutSpec
 
+        reserve = ray_resources(self.cfg.cluster.rollout_resources)  # e.g. a share of a GPU
         return RolloutSpec(self.cfg, self.model_source, self.start_version,
                            {r: info.to_dict() for r, info in self.relays.infos.items()},
-                           {r: {**THREADED, **pin(n)} for r, n in self.placement.relay_node.items()},
+                           {r: {**THREADED, **pin(n), **reserve}
+                            for r, n in self.placement.relay_node.items()},
                            self.pools, ray.put(self.policy))
 
     def _start_rollout(self, wid: str) -> Any:
