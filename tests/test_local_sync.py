@@ -23,6 +23,11 @@ def test_sync_run_logs_every_step(tmp_path):
                 "throughput_tokens_per_s", "gen_tokens_per_s", "loss", "staleness_hist"):
         assert key in rows[0], key
     assert rows[0]["staleness_hist"] == {"0": 16}  # sync: every sample fresh
+    # the engine-trainer mismatch on those fresh tokens: the native engine's fp32 numerics
+    # against the trainer's forward (measured here: mean ~1e-7, p99 ~5e-7)
+    for r in rows:
+        assert r["engine_backend"] == "native"
+        assert 0.0 <= r["logprob_abs_diff_mean"] < 1e-5 and 0.0 <= r["logprob_abs_diff_p99"] < 1e-4
     evals = read_rows(tmp_path, "eval")  # held-out: at the start, at the end
     assert [(e["step"], e["version"]) for e in evals] == [(0, 0), (2, 2)]
     assert all(e["num_prompts"] == 8 and 0.0 <= e["greedy_reward"] <= 1.0 for e in evals)
