@@ -161,12 +161,18 @@ def test_load_weights_in_place(pair, reference):
     engine.abort(["busy"])
     assert not engine.has_unfinished()
 
-    engine.load_weights(reference["B"].state_dict(), start + 1)
+    # what a trainer pushes: named_parameters(), a tied head named once (as the embedding)
+    engine.load_weights(dict(reference["B"].named_parameters()), start + 1)
     prompts = make_prompts(4, seed=4)
     reqs = engine.generate(requests(prompts, prefix="b"))
     for prompt, r in zip(prompts, reqs):
         assert r.output_ids == hf_greedy(reference["B"], prompt, GREEDY.max_new_tokens)
         assert r.version == start + 1 and set(r.token_versions) == {start + 1}
+    sampled = engine.generate(requests(prompts, SamplingParams(temperature=0.7, max_new_tokens=16),
+                                       prefix="bs"))
+    diffs = torch.cat([(hf_logprobs(reference["B"], r) - torch.tensor(r.logprobs)).abs()
+                       for r in sampled])
+    assert diffs.max().item() <= LOGPROB_P99_BOUND
     # back to A: same prompts, A's greedy again (no KV of B's served from the prefix cache)
     engine.load_weights(reference["A"].state_dict(), start + 2)
     reqs = engine.generate(requests(prompts, prefix="a"))

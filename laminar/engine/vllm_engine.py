@@ -116,6 +116,23 @@ def finish_reason(output: list[int], eos_token_id: int, stop_ids: frozenset[int]
     return None
 
 
+def checkpoint_names(path: Path) -> set[str]:
+    """Tensor names of a Hugging Face checkpoint directory (safetensors, sharded or not)."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    if not names:
+        raise ConfigError(f"model.path='{path}' has no safetensors weights; the vllm backend "
+                          "loads *.safetensors (save the model with save_pretrained)")
+    return names
+
+
 class _Live:
     """A request inside the engine: the laminar object plus vLLM's id and resume accounting."""
 
@@ -158,6 +175,10 @@ class VLLMEngine:
             dtype = getattr(torch, str(config.get("torch_dtype") or config.get("dtype")
                                        or "float32"), torch.float32)
         self._check_servable(vllm, config, str(model_path), dtype)
+        self._tied_head = (("lm_head.weight", "model.embed_tokens.weight")
+                           if config.get("tie_word_embeddings") else None)
+        # the names load_weights takes: the checkpoint's (a tied head is saved once) + the head
+        self._checkpoint_names = checkpoint_names(path) | set(self._tied_head or ())
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id  # unused: vLLM never pads what it is given
         self.max_batch_size = max_batch_size
@@ -386,7 +407,7 @@ class VLLMEngine:
                 f"generating with version {self.version} (e.g. '{in_flight[0]}'); let them "
                 "finish, abort them, or pass force=True to continue them on the new weights")
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        items = [(name, torch.as_tensor(tensor)) for name, tensor in items]
+        items = self._complete(dict(items))
         waiting = [live for live in self._live.values() if live.internal_id is not None]
         self._withdraw(waiting)
         self._engine.collective_rpc("laminar_load_weights", args=(items,))
@@ -395,6 +416,25 @@ class VLLMEngine:
         self.version = version
         for live in waiting:
             self._submit(live)
+
+    def _complete(self, named: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+        """The checkpoint's full tensor list for vLLM's `reload_weights`, which reloads whole
+        layers: loaded without the tied head, the tiny preset's log-probs came back 0.47 off
+        (measured). A trainer pushes `named_parameters()`, which names a tied head once (as the
+        embedding), so the head is added back; any other missing tensor is an error."""
+        tied = self._tied_head
+        if tied and tied[0] not in named and tied[1] in named:
+            named[tied[0]] = named[tied[1]]
+        missing = sorted(self._checkpoint_names - named.keys())
+        if missing:
+            raise ValueError(f"load_weights: {len(missing)} tensor(s) of the model are missing "
+                             f"(e.g. '{missing[0]}'); the vllm backend reloads whole layers, "
+                             "so pass every tensor of the model's state_dict()")
+        unknown = sorted(named.keys() - self._checkpoint_names)
+        if unknown:
+            raise KeyError(f"load_weights: '{unknown[0]}' is not a tensor of this model "
+                           f"(expected names like '{min(self._checkpoint_names)}')")
+        return [(name, torch.as_tensor(tensor)) for name, tensor in named.items()]
 
     def stats(self) -> EngineStats:
         """Counts and KV use from vLLM's scheduler (KV in whole blocks, as vLLM allocates it)."""
