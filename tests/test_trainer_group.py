@@ -30,6 +30,9 @@ def test_laminar_train_with_two_trainer_ranks(tmp_path, ray_cluster):
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["push_stall_s"] > 0 and r["loss"] == r["loss"] for r in rows)  # pushed; not NaN
+    for r in rows:  # the ranks' fresh tokens (when a step has some) against the native engine
+        assert r["engine_backend"] == "native"
+        assert r["logprob_abs_diff_p99"] is None or 0.0 <= r["logprob_abs_diff_p99"] < 1e-4
     assert report["exactly_once"]["ok"]
     trained = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
     assert set(Counter(t["group_id"] for t in trained).values()) == {2}
