@@ -202,8 +202,9 @@ def job_overrides(model_dir: Path, run_dir: Path, device: str) -> list[str]:
             "trainer.mini_batches=2", "trainer.checkpoint_every=0", "trainer.eval_every=0",
             "task.eval_prompts=16", "rollout.num_workers=1", "cluster.virtual_nodes=1",
             "durable_pools=true",
-            # Ray hides GPUs from actors that ask for none: the trainer shares the GPU
-            *(["cluster.trainer_resources={GPU: 0.5}"] if device == "cuda" else [])]
+            # Ray hides GPUs from actors that ask for none: the trainer and the rollout share it
+            *(["cluster.trainer_resources={GPU: 0.5}", "cluster.rollout_resources={GPU: 0.5}"]
+              if device == "cuda" else [])]
 
 
 def job_command(model_dir: Path, run_dir: Path, device: str) -> tuple[list[str], list[str]]:
