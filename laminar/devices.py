@@ -90,9 +90,9 @@ def check_devices(cfg: Any) -> dict[str, str]:
     """At the start of a job: resolve every `device` key of `cfg` (a laminar Config) here, so a
     `cuda` on a machine without CUDA is one ConfigError before anything starts. On a cluster
     (`cluster.address` set) the trainer and the rollouts may run on other machines than the
-    driver, so that is left to each process at its start. Anywhere, `trainer.device=cuda` under
-    Ray needs a GPU in `cluster.trainer_resources` (Ray hides GPUs from an actor that asks for
-    none). Returns key -> device type as resolved here."""
+    driver, so that is left to each process at its start. (That Ray actors reserve the GPUs
+    they use is checked where they start: runtime/cluster.py, check_gpu_reservations.) Returns
+    key -> device type as resolved here."""
     out = {}
     if not getattr(cfg.cluster, "address", None):
         for key in DEVICE_KEYS:
@@ -100,12 +100,6 @@ def check_devices(cfg: Any) -> dict[str, str]:
             setting = getattr(getattr(cfg, section), name, None)
             if setting is not None:
                 out[key] = resolve_device(setting, key).type
-    gpus = float(cfg.cluster.trainer_resources.get("GPU", 0))
-    if cfg.cluster.backend == "ray" and cfg.trainer.device == "cuda" and gpus <= 0:
-        raise ConfigError("trainer.device=cuda with cluster.backend=ray needs a GPU reserved for "
-                          "the trainer (Ray hides GPUs from an actor that asks for none): set "
-                          "cluster.trainer_resources={GPU: 1}, or a fraction such as 0.5 to "
-                          "share the GPU with the rollouts")
     return out
 
 

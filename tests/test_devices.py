@@ -46,11 +46,6 @@ def test_check_devices_at_start(monkeypatch):
         check_devices(load_config(None, ["rollout.device=cuda"]))
     # on a cluster the trainer and rollouts may run where there are GPUs: not judged here
     assert check_devices(load_config(None, ["rollout.device=cuda", "cluster.address=auto"])) == {}
-    # but Ray hides the GPU from a trainer actor that reserves none
-    with pytest.raises(ConfigError, match=r"cluster.trainer_resources=\{GPU: 1\}"):
-        check_devices(load_config(None, ["trainer.device=cuda", "cluster.address=auto"]))
-    reserved = ["trainer.device=cuda", "cluster.address=auto", "cluster.trainer_resources={GPU: 0.5}"]
-    assert check_devices(load_config(None, reserved)) == {}
 
 
 def test_cli_refuses_cuda_without_a_traceback(monkeypatch, capsys):
@@ -162,24 +157,25 @@ def test_stage_copy_into_cuda_through_pinned_halves():
 # ------------------------------------------------------------------------ the rollout side
 
 
-def test_rollout_cuda_under_ray_needs_a_gpu_reserved():
-    """Ray hides GPUs from a rollout actor that reserves none: refused at start, one line with
-    the key, the value and the fix (the trainer's twin is check_devices)."""
-    from laminar.runtime.cluster import check_rollout_resources
+def test_cuda_under_ray_needs_a_gpu_reserved():
+    """Ray hides GPUs from a trainer or rollout actor that reserves none: refused at start, one
+    line with the key, the value and the fix."""
+    from laminar.runtime.cluster import check_gpu_reservations
 
-    with pytest.raises(ConfigError) as e:
-        check_rollout_resources(load_config(None, ["rollout.device=cuda"]))
-    msg = str(e.value)
-    assert "\n" not in msg
-    assert msg.startswith("rollout.device=cuda with cluster.backend=ray")
-    assert "cluster.rollout_resources={GPU: 1}" in msg and "0.5" in msg
-    with pytest.raises(ConfigError, match="rollout_resources"):  # a custom resource is no GPU
-        check_rollout_resources(load_config(None, ["rollout.device=cuda",
-                                                   "cluster.rollout_resources={accel: 1, GPU: 0}"]))
-    for ok in (["rollout.device=cuda", "cluster.rollout_resources={GPU: 0.5}"],
-               ["rollout.device=cuda", "cluster.backend=local"],  # one process: sees every GPU
-               ["rollout.device=auto"], ["rollout.device=cpu"]):
-        check_rollout_resources(load_config(None, ok))
+    for role in ("trainer", "rollout"):
+        with pytest.raises(ConfigError) as e:
+            check_gpu_reservations(load_config(None, [f"{role}.device=cuda"]))
+        msg = str(e.value)
+        assert "\n" not in msg
+        assert msg.startswith(f"{role}.device=cuda with cluster.backend=ray")
+        assert f"cluster.{role}_resources={{GPU: 1}}" in msg and "0.5" in msg
+        with pytest.raises(ConfigError, match=f"{role}_resources"):  # a custom resource is no GPU
+            check_gpu_reservations(load_config(None, [f"{role}.device=cuda",
+                                                      f"cluster.{role}_resources={{accel: 1, GPU: 0}}"]))
+        for ok in ([f"{role}.device=cuda", f"cluster.{role}_resources={{GPU: 0.5}}"],
+                   [f"{role}.device=cuda", "cluster.backend=local"],  # one process: sees every GPU
+                   [f"{role}.device=auto"], [f"{role}.device=cpu"]):
+            check_gpu_reservations(load_config(None, ok))
     assert load_config(None).cluster.rollout_resources == {}
 
 

@@ -17,8 +17,8 @@
 - GPUs: Ray shows an actor only the GPUs it reserves (`CUDA_VISIBLE_DEVICES=''` for one that
   reserves none). The trainer reserves `cluster.trainer_resources`, each rollout
   `cluster.rollout_resources` (`ray_resources` turns them into Ray's options);
-  `check_rollout_resources` refuses `rollout.device=cuda` without a GPU there before anything
-  starts (the trainer's twin is in laminar/devices.py: check_devices).
+  `check_gpu_reservations` refuses `trainer.device=cuda` / `rollout.device=cuda` without a GPU
+  there before anything starts.
 """
 
 from __future__ import annotations
@@ -60,16 +60,20 @@ def ray_resources(resources: Mapping[str, float]) -> dict[str, Any]:
     return opts
 
 
-def check_rollout_resources(cfg: Config) -> None:
-    """At start: `rollout.device=cuda` under Ray needs a GPU in `cluster.rollout_resources` (Ray
-    hides GPUs from an actor that asks for none, so the rollout would find no CUDA device only
-    once it started). One ConfigError line naming the key, the value and the fix."""
-    gpus = float(cfg.cluster.rollout_resources.get("GPU", 0))
-    if cfg.cluster.backend == "ray" and cfg.rollout.device == "cuda" and gpus <= 0:
-        raise ConfigError("rollout.device=cuda with cluster.backend=ray needs a GPU reserved for "
-                          "each rollout (Ray hides GPUs from an actor that asks for none): set "
-                          "cluster.rollout_resources={GPU: 1}, or a fraction such as 0.5 to "
-                          "share a GPU between rollouts or with the trainer")
+def check_gpu_reservations(cfg: Config) -> None:
+    """At start: `trainer.device=cuda` or `rollout.device=cuda` under Ray needs a GPU in
+    `cluster.trainer_resources` / `cluster.rollout_resources` (Ray hides GPUs from an actor that
+    asks for none, so it would find no CUDA device only once it started). One ConfigError line
+    naming the key, the value and the fix."""
+    if cfg.cluster.backend != "ray":
+        return
+    for role, who, share in (("trainer", "the trainer", "share the GPU with the rollouts"),
+                             ("rollout", "each rollout", "share a GPU between rollouts or with the trainer")):
+        reserved = getattr(cfg.cluster, f"{role}_resources")
+        if getattr(cfg, role).device == "cuda" and float(reserved.get("GPU", 0)) <= 0:
+            raise ConfigError(f"{role}.device=cuda with cluster.backend=ray needs a GPU reserved for "
+                              f"{who} (Ray hides GPUs from an actor that asks for none): set "
+                              f"cluster.{role}_resources={{GPU: 1}}, or a fraction such as 0.5 to {share}")
 
 
 class ClusterRuntime:
@@ -111,7 +115,7 @@ class ClusterRuntime:
         from laminar.trainer.actor import TrainerActor, start_trainer_group
 
         cfg = self.cfg
-        check_rollout_resources(cfg)  # before anything starts
+        check_gpu_reservations(cfg)  # before anything starts
         secret = (os.environ.get(cfg.relay.secret_env) or secrets.token_hex(16)).encode()
         self._init_ray(secret)
         self.job = uuid.uuid4().hex[:8]
