@@ -9,7 +9,9 @@ Process layout: one in-process engine per rollout actor (`LLMEngine` with the un
 `VLLM_ENABLE_V1_MULTIPROCESSING=0`): the rollout's process is vLLM's engine core and its one
 worker. On CPU that costs ~0.75 GB and ~2 s to start, where vLLM's default layout (a separate
 engine-core process per engine) costs ~2 GB and 15-25 s for the tiny model; a killed engine is a
-killed rollout actor, which the manager already treats as a dead rollout. Each engine uses the
+killed rollout actor, which the manager already treats as a dead rollout. The constructor
+runs one throwaway request, so the process's one-off first-forward cost (seconds on CPU) is paid
+at build time, not in the rollout loop's first step (`_warm_up`). Each engine uses the
 torch threads its process has (`VLLM_CPU_OMP_THREADS_BIND=nobind`: vLLM would otherwise bind
 every engine on a machine to the same cores).
 
@@ -226,6 +228,23 @@ class VLLMEngine:
 
         self._tokens_prompt = TokensPrompt
         self._delta_kind = RequestOutputKind.DELTA
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Run one throwaway greedy request (a prefill and a decode) before the engine is handed
+        out. The first forward pass in a process pays a one-off initialisation on vLLM's CPU
+        backend (2 s measured for the tiny preset on an idle machine, 5-6 s on a loaded 2-core
+        one; the next engine in the same process pays nothing). Paid later, it lands in the
+        rollout loop's first step, which holds the loop's lock, so the manager's health checks
+        (`snapshot`) wait behind it and, past 3 x cluster.heartbeat_s, declare the rollout dead.
+        Greedy, so the sampling RNG seeded at start is untouched; the prefix cache is reset."""
+        sampling = self._sampling(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=0,
+                                  detokenize=False, output_kind=self._delta_kind)
+        self._engine.add_request("laminar-warm-up",
+                                 self._tokens_prompt(prompt_token_ids=[0]), sampling)
+        while self._engine.has_unfinished_requests():
+            self._engine.step()
+        self._engine.reset_prefix_cache()
 
     @staticmethod
     def _check_servable(vllm: Any, config: Mapping[str, Any], where: str, dtype: torch.dtype

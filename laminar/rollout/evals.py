@@ -6,9 +6,9 @@
     evaluator.take()               # finished results: [{"step": 10, "version": 11, ...}]
 
 The evaluator has an engine of its own (of the run's backend), built on first use by the
-rollout's engine factory on the run's starting weights, so the version it evaluates never
-changes under it and the schedule's own engine, policy, drains, repacks and interrupts are
-untouched. It evaluates the newest weights the rollout's weight source offers once that is
+rollout's engine factory on the run's starting weights (`prepare`, which the rollout loop calls
+outside its lock), so the version it evaluates never changes under it and the schedule's own
+engine, policy, drains, repacks and interrupts are untouched. It evaluates the newest weights the rollout's weight source offers once that is
 `at_least` the version asked for, loading them into its engine through that source (before
 anything is published: the starting weights, which the rollout's engine started from too; it
 never asks the rollout's engine for weights), then decodes every held-out prompt twice:
@@ -70,6 +70,14 @@ class Evaluator:
     def pending(self) -> int:
         return len(self.jobs) + (self.job is not None)
 
+    def prepare(self) -> None:
+        """Build the evaluation's engine when a job waits and there is none yet. The rollout
+        loop calls this outside its lock: an engine takes seconds to build (a vLLM one more),
+        and the manager's health checks (the loop's `snapshot`) must not wait for it. Only
+        the loop's thread touches the evaluator's engine."""
+        if self.engine is None and self.jobs:
+            self.engine = self.make_engine()
+
     def step(self, weights: WeightSource) -> bool:
         """Start the next job when its weights are there, or advance the running one by one
         engine step; False when there was nothing to do."""
@@ -109,8 +117,7 @@ class Evaluator:
         if not self.jobs:
             return False
         job = self.jobs[0]
-        if self.engine is None:  # the starting weights; newer ones come from `weights`
-            self.engine = self.make_engine()
+        self.prepare()  # the starting weights (the loop built it already, outside its lock)
         newest = weights.newest()
         if newest is not None and newest > self.engine.version and newest >= job.at_least:
             weights.load_newest(self.engine, newer_than=self.engine.version)

@@ -140,6 +140,8 @@ class RolloutLoop:
 
     def step(self) -> bool:
         """One round of decide, admit, decode, hand on; False when there was nothing to do."""
+        if self.evaluator is not None:  # its engine takes seconds to build: not under the lock,
+            self.evaluator.prepare()  # which the manager's health checks (snapshot) wait for
         with self.lock:
             self._collect_lease()
             self._decide()
