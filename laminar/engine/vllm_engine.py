@@ -34,6 +34,8 @@ layers) to the worker's `reload_weights` through `collective_rpc` and the `Weigh
 extension below; in-process the tensors pass by reference. Every live request is taken out of
 vLLM first and put back afterwards (requests with tokens re-prefill them, on the new weights),
 and the prefix cache is reset, so nothing computed with older weights is ever served.
+vLLM reloads whole layers, so a partial load (trainer.lora: the merged target modules) is
+completed with the starting checkpoint's other tensors, which no load has changed.
 
 Sampling seeds: vLLM seeds its process-wide RNG from `seed` at start. A per-request
 `params.seed` is passed to vLLM on GPUs only: on the CPU backend a per-request generator kills
@@ -135,6 +137,25 @@ def checkpoint_names(path: Path) -> set[str]:
     return names
 
 
+def read_tensors(path: Path, names: set[str], tied: tuple[str, str] | None
+                 ) -> dict[str, torch.Tensor]:
+    """Tensors `names` of a Hugging Face checkpoint directory (safetensors, sharded or not);
+    `tied`: (head, embedding) when the head is saved as the embedding only."""
+    from safetensors import safe_open
+
+    want = set(names)
+    if tied and tied[0] in want:
+        want.add(tied[1])
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in want.intersection(f.keys()):
+                out[key] = f.get_tensor(key)
+    if tied and tied[0] in want and tied[0] not in out:
+        out[tied[0]] = out[tied[1]]
+    return {name: out[name] for name in names}
+
+
 class _Live:
     """A request inside the engine: the laminar object plus vLLM's id and resume accounting."""
 
@@ -181,6 +202,8 @@ class VLLMEngine:
                            if config.get("tie_word_embeddings") else None)
         # the names load_weights takes: the checkpoint's (a tied head is saved once) + the head
         self._checkpoint_names = checkpoint_names(path) | set(self._tied_head or ())
+        self._start_path = path  # the starting weights: what a partial load leaves unchanged
+        self._replaced: set[str] = set()  # names some load_weights has given since the start
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id  # unused: vLLM never pads what it is given
         self.max_batch_size = max_batch_size
@@ -440,19 +463,27 @@ class VLLMEngine:
         """The checkpoint's full tensor list for vLLM's `reload_weights`, which reloads whole
         layers: loaded without the tied head, the tiny preset's log-probs came back 0.47 off
         (measured). A trainer pushes `named_parameters()`, which names a tied head once (as the
-        embedding), so the head is added back; any other missing tensor is an error."""
+        embedding), so the head is added back. A partial load (trainer.lora: the merged target
+        modules only, the same ones every version) gets every other tensor from the starting
+        checkpoint, as long as no earlier load changed it; one that did is an error."""
         tied = self._tied_head
         if tied and tied[0] not in named and tied[1] in named:
             named[tied[0]] = named[tied[1]]
-        missing = sorted(self._checkpoint_names - named.keys())
-        if missing:
-            raise ValueError(f"load_weights: {len(missing)} tensor(s) of the model are missing "
-                             f"(e.g. '{missing[0]}'); the vllm backend reloads whole layers, "
-                             "so pass every tensor of the model's state_dict()")
         unknown = sorted(named.keys() - self._checkpoint_names)
         if unknown:
             raise KeyError(f"load_weights: '{unknown[0]}' is not a tensor of this model "
                            f"(expected names like '{min(self._checkpoint_names)}')")
+        given = set(named)
+        missing = self._checkpoint_names - given
+        changed = sorted(missing & self._replaced)
+        if changed:
+            raise ValueError(f"load_weights: {len(changed)} tensor(s) an earlier version loaded "
+                             f"are missing from this one (e.g. '{changed[0]}'); the vllm backend "
+                             "reloads whole layers and keeps only the starting weights to fill "
+                             "in, so pass every tensor that ever changed")
+        if missing:
+            named.update(read_tensors(self._start_path, missing, tied))
+        self._replaced |= given
         return [(name, torch.as_tensor(tensor)) for name, tensor in named.items()]
 
     def stats(self) -> EngineStats:
