@@ -121,6 +121,11 @@ def test_train_step_records_staleness_and_bumps_version():
     assert trainer.version == 4
     assert [t.staleness for t in trajs] == [1, 0, 1, 0]
     assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+    # every mini-batch has a gradient, measured for the engine-trainer mismatch or not (the
+    # second one is not: its weights are no published version's; a backward once sat under
+    # that condition and the second update stepped Adam on no gradient)
+    assert len(trainer.last_minibatches) == 2
+    assert all(m["grad_norm"] > 0 for m in trainer.last_minibatches), trainer.last_minibatches
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
 
 

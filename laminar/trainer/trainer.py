@@ -265,12 +265,12 @@ class Trainer:
                 batch = self._empty_batch()
             with self._gradient_sync(k == steps - 1):
                 loss, stats, lp = self._loss(batch, num_tokens)
-            if measure is not None:
-                diffs.append(fresh_abs_diffs(lp, batch.old_logprobs, batch.response_mask,
-                                             batch.token_versions, measure))
                 # DDP and FSDP average gradients over the ranks; each rank's loss is its share
                 # of the mini-batch's mean, so scale it back to a sum (exact: a power of two or 1)
                 (loss * self.world_size if self.world_size > 1 else loss).backward()
+            if measure is not None:
+                diffs.append(fresh_abs_diffs(lp, batch.old_logprobs, batch.response_mask,
+                                             batch.token_versions, measure))
             weight = batch.num_response_tokens / num_tokens  # token-weighted average of stats
             if weight == 0:  # an empty micro-batch: same keys on every rank, nothing added
                 sums.update({key: sums.get(key, 0.0) for key in [*stats, "loss"]})
