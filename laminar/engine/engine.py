@@ -44,6 +44,7 @@ import torch
 
 from laminar.devices import StagingBuffer, stage_copy
 from laminar.engine.model_runner import ModelRunner
+from laminar.engine.protocol import check_request
 from laminar.engine.sampler import SamplingRows, sample
 from laminar.engine.scheduler import Scheduler
 from laminar.engine.sequence import Sequence
@@ -83,22 +84,8 @@ class Engine:
 
     def add(self, request: GenerationRequest) -> None:
         """Queue a request (new, or a resume when `output_ids` is non-empty)."""
-        rid = request.request_id
-        if rid in self._live:
-            raise ValueError(f"request_id '{rid}' is already in the engine; ids must be unique")
-        if request.finish_reason is not None:
-            raise ValueError(f"request '{rid}' already finished ({request.finish_reason}); "
-                             "only unfinished requests can be added or resumed")
-        if not request.prompt_ids:
-            raise ValueError(f"request '{rid}' has an empty prompt_ids; pass at least one token")
-        if not len(request.logprobs) == len(request.token_versions) == len(request.output_ids):
-            raise ValueError(f"request '{rid}' has {len(request.output_ids)} output_ids but "
-                             f"{len(request.logprobs)} logprobs and {len(request.token_versions)} "
-                             "token_versions; a resumed state needs one of each per token")
-        params = request.params
-        if params.max_new_tokens < 1:
-            raise ValueError(f"request '{rid}': params.max_new_tokens={params.max_new_tokens} "
-                             "must be >= 1")
+        check_request(request, self._live)
+        rid, params = request.request_id, request.params
         longest = len(request.prompt_ids) + params.max_new_tokens
         if longest > self.runner.max_positions:
             raise ValueError(f"request '{rid}': prompt ({len(request.prompt_ids)} tokens) + "

@@ -29,7 +29,7 @@ another engine for its weights (a vLLM engine cannot hand them out cheaply).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from laminar.types import EngineStats, GenerationRequest, TokenDelta
@@ -93,3 +93,24 @@ class WeightTarget(Protocol):
 
 
 EngineFactory = Callable[[], RolloutEngine]  # a fresh engine on the run's starting weights
+
+
+def check_request(request: GenerationRequest, live: Container[str]) -> None:
+    """What every engine's `add` refuses, whatever its limits (`live`: the ids inside it): a
+    duplicate id, a finished request, an empty prompt, a resumed state whose per-token lists
+    disagree, a budget below one token. ValueError naming the request."""
+    rid = request.request_id
+    if rid in live:
+        raise ValueError(f"request_id '{rid}' is already in the engine; ids must be unique")
+    if request.finish_reason is not None:
+        raise ValueError(f"request '{rid}' already finished ({request.finish_reason}); "
+                         "only unfinished requests can be added or resumed")
+    if not request.prompt_ids:
+        raise ValueError(f"request '{rid}' has an empty prompt_ids; pass at least one token")
+    if not len(request.logprobs) == len(request.token_versions) == len(request.output_ids):
+        raise ValueError(f"request '{rid}' has {len(request.output_ids)} output_ids but "
+                         f"{len(request.logprobs)} logprobs and {len(request.token_versions)} "
+                         "token_versions; a resumed state needs one of each per token")
+    if request.params.max_new_tokens < 1:
+        raise ValueError(f"request '{rid}': params.max_new_tokens={request.params.max_new_tokens} "
+                         "must be >= 1")
