@@ -121,8 +121,18 @@ def _engine(d: dict[str, Any]) -> str:
     parts = [f"{name}: native vs static {r['ratio_native_vs_static']:.2f}x tokens/s "
              f"({r['native_tokens_per_s']:,.0f} vs {r['static_tokens_per_s']:,.0f}; "
              f"CPU time {r['ratio_native_vs_static_cpu']:.2f}x; ideal {r['ideal_ratio']:.2f}x)"
+             + (_backends(r) if "backends" in r else "")
              for name, r in d["presets"].items()]
     return "; ".join(parts)
+
+
+def _backends(r: dict[str, Any]) -> str:
+    """`--backend native,vllm`: vLLM against native on the same workload."""
+    b = r["backends"]
+    return (f", vLLM vs native {r['ratio_vllm_vs_native']:.2f}x tokens/s, weight load "
+            f"{b['vllm']['load_s_per_mb'] * 1e3:.2f} vs {b['native']['load_s_per_mb'] * 1e3:.2f} ms/MB "
+            f"(load_state_dict {r['load_state_dict_s_per_mb'] * 1e3:.2f}), log-prob |d| p99 vs the "
+            f"trainer {r['logprob_abs_diff_p99_vllm']:.1e}")
 
 
 def _relay(d: dict[str, Any]) -> str:
