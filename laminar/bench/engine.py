@@ -58,7 +58,7 @@ from laminar.config import ConfigError, ReverseTaskConfig
 from laminar.engine import Engine, HFEngine
 from laminar.engine.protocol import RolloutEngine
 from laminar.engine import knee as engine_knee
-from laminar.models import PAD_ID, build_char_tokenizer, build_preset, encode_prompt
+from laminar.models import PAD_ID, build_char_tokenizer, build_preset, encode_prompt, load_pretrained
 from laminar.tasks.reverse import make_prompts
 from laminar.types import GenerationRequest, SamplingParams
 
@@ -233,15 +233,30 @@ def bench_vllm(model, preset: str, workload, repeats: int, no_eos: int,
                 logprob_p99=torch.quantile(diffs, 0.99).item(), logprob_tokens=len(diffs))
 
 
+def bench_model(preset: str, seed: int = 0) -> torch.nn.Module:
+    """A preset built from config, or a model directory (`--model DIR`, e.g. the GPU check's
+    0.5B-shaped one; its vocabulary must hold laminar's char tokens). `seed` != 0 of a
+    directory: its weights plus seeded noise (other weights of the same shapes, to load)."""
+    if not Path(preset).is_dir():
+        return build_preset(preset, seed=seed)
+    model, _ = load_pretrained(preset)
+    if seed:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 1e-3)
+    return model
+
+
 def bench_backends(model, preset: str, workload, repeats: int, no_eos: int,
                    native_s: float) -> dict:
     """The `backends` table: native and vLLM tokens/s and weight-load times, one workload."""
     total = sum(n for _, n in workload)
-    other = {k: v.clone() for k, v in build_preset(preset, seed=1).state_dict().items()}
-    native = Engine(build_preset(preset).eval(), no_eos, PAD_ID, max_batch_size=MAX_BATCH_SIZE)
+    other = {k: v.clone() for k, v in bench_model(preset, seed=1).state_dict().items()}
+    native = Engine(bench_model(preset).eval(), no_eos, PAD_ID, max_batch_size=MAX_BATCH_SIZE)
     backends = {"native": dict(tokens_per_s=total / native_s,
                                load_s_per_mb=load_s_per_mb(native, other))}
-    baseline = load_s_per_mb(build_preset(preset), other)
+    baseline = load_s_per_mb(bench_model(preset), other)
     vllm = bench_vllm(model, preset, workload, repeats, no_eos, other)
     backends["vllm"] = dict(tokens_per_s=total / vllm["seconds"],
                             load_s_per_mb=vllm["load_s_per_mb"], start_s=vllm["start_s"])
@@ -254,7 +269,7 @@ def bench_backends(model, preset: str, workload, repeats: int, no_eos: int,
 
 def bench_preset(preset: str, num_requests: int, repeats: int, latency_steps: int,
                  backends: tuple[str, ...] = ("native",)) -> dict:
-    model = build_preset(preset).eval()
+    model = bench_model(preset).eval()
     no_eos = model.config.vocab_size  # never sampled: every request runs to its drawn length
     workload = build_workload(num_requests)
     lengths = [num_new for _, num_new in workload]
@@ -349,11 +364,16 @@ def print_report(results: list[dict]) -> None:
                       f"batch-1 step) = manager.batch_bound {r['batch_bound_knee']}")
 
 
-def main(quick: bool = False, out: str | None = None, backends: str = "native") -> dict:
+def main(quick: bool = False, out: str | None = None, backends: str = "native",
+         model: str | None = None) -> dict:
+    """`model`: a model directory measured instead of the presets (no knee cache written)."""
+    if model is not None and not Path(model).is_dir():
+        raise ConfigError(f"--model {model!r} is not a directory; pass a Hugging Face model "
+                          "directory (config.json + safetensors), or leave it out for the presets")
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     load_before = os.getloadavg()[0]
-    presets = ("tiny",) if quick else ("tiny", "small")
+    presets = (model,) if model else ("tiny",) if quick else ("tiny", "small")
     sizes = dict(num_requests=256, repeats=1, latency_steps=12) if quick else \
         dict(num_requests=512, repeats=3, latency_steps=32)
     names = tuple(b.strip() for b in backends.split(",") if b.strip())
@@ -373,7 +393,7 @@ def main(quick: bool = False, out: str | None = None, backends: str = "native") 
               "max_batch_size": MAX_BATCH_SIZE, "batch_sizes": list(BATCH_SIZES)}
     report = {**results[0], "threads": THREADS, "load_average_before_after": load,
               "presets": {r["preset"]: r for r in results}, "provenance": provenance(config)}
-    for r in results:  # the rollout manager's manager.batch_bound default from now on
+    for r in results if model is None else []:  # manager.batch_bound's default from now on
         _write_knee(r, load)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
