@@ -101,7 +101,7 @@ def test_laminar_job_trains_across_three_nodes(cluster, tmp_path):
     assert all(n > 3 * model_bytes for n in received.values()), (received, model_bytes)
 
 
-@pytest.mark.slow  # a start-up error across nodes; the default suite keeps one (the reward)
+@pytest.mark.slow  # a start-up error across nodes; the default suite keeps the three-node job
 def test_relay_bound_to_one_nodes_address_fails_naming_the_node(cluster, tmp_path):
     t0 = time.monotonic()
     r = _train(cluster, tmp_path / "run", "trainer.total_steps=2", f"relay.host={cluster.node_ips[0]}")
@@ -126,7 +126,7 @@ def _block_ports(dev: str, first: int) -> None:
         subprocess.run([*tc, *args], check=True, capture_output=True)
 
 
-@pytest.mark.slow  # a start-up error across nodes; the default suite keeps one (the reward)
+@pytest.mark.slow  # a start-up error across nodes; the default suite keeps the three-node job
 def test_blocked_relay_port_fails_naming_both_ends(cluster, tmp_path):
     first = 47008  # 16 ports, aligned so that one u32 mask matches them all
     dev = f"lv{cluster.state.tag}1"  # the host's end of node 2's veth: traffic towards node 2
@@ -143,6 +143,7 @@ def test_blocked_relay_port_fails_naming_both_ends(cluster, tmp_path):
     assert "relay.port_range" in err and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # a start-up error across nodes (20 s); the default suite keeps the three-node job
 def test_worker_node_that_cannot_import_the_reward_is_named(cluster, tmp_path):
     user, private = tmp_path / "user", tmp_path / "driver-only"
     _user_files(user)
