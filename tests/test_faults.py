@@ -115,6 +115,28 @@ def _events(run_dir):
     return {(e["what"], e["detail"].split()[1]) for e in read_rows(run_dir, "event")}
 
 
+def _freeze_mid_generation(partials, pid):
+    """Wait for rollout0 to hold trajectories with streamed tokens, then SIGSTOP its process
+    `pid` and return {trajectory id: version} of what it owns once its last sends landed."""
+    def owned_by_rollout0():
+        return {e.request.request_id: e.request.version
+                for e in ray.get(partials.owned_by.remote("rollout0"))}
+
+    def frozen_mid_generation():
+        if not any(v is not None for v in owned_by_rollout0().values()):
+            return None
+        os.kill(pid, signal.SIGSTOP)
+        owned = owned_by_rollout0()
+        while (again := owned_by_rollout0()) != owned:  # what it sent before the freeze lands
+            owned = again
+        if any(v is not None for v in owned.values()):
+            return owned
+        os.kill(pid, signal.SIGCONT)
+        return None
+
+    return until("rollout0 to stream tokens", frozen_mid_generation, poll_s=0.01)
+
+
 def test_a_killed_rollout_is_replaced_and_its_work_keeps_its_version(tmp_path, ray_cluster):
     # every 2 tokens reach the partial pool (a moved trajectory has some, and their version)
     cfg = load_config(None, TINY + [f"run_dir={tmp_path}", "rollout.stream_every=2",
@@ -125,27 +147,11 @@ def test_a_killed_rollout_is_replaced_and_its_work_keeps_its_version(tmp_path, r
         training = rt.train("run")
         follower = Follower(rt)
 
-        def owned_by_rollout0():
-            return {e.request.request_id: e.request.version
-                    for e in ray.get(partials.owned_by.remote("rollout0"))}
-
-        def frozen_mid_generation():  # rollout0 holds trajectories with streamed tokens
-            if not any(v is not None for v in owned_by_rollout0().values()):
-                return None
-            os.kill(pid, signal.SIGSTOP)
-            owned = owned_by_rollout0()
-            while (again := owned_by_rollout0()) != owned:  # what it sent before the freeze lands
-                owned = again
-            if any(v is not None for v in owned.values()):
-                return owned
-            os.kill(pid, signal.SIGCONT)
-            return None
-
         # held before its second version, the trainer publishes nothing a rollout pulls
         # (rollout.version_lag=2): rollout1 holds the version of rollout0's work when it dies
         os.kill(trainer_pid, signal.SIGSTOP)
         try:
-            owned = until("rollout0 to stream tokens", frozen_mid_generation, poll_s=0.01)
+            owned = _freeze_mid_generation(partials, pid)
             killed_at = time.time()
             os.kill(pid, signal.SIGKILL)  # the real process
             fault = _fault(rt, "rollout", "rollout0")

@@ -77,7 +77,7 @@ def test_vllm_rollouts_with_lora_survive_a_repack_move_and_a_sigkill(tmp_path, r
     from laminar.manager.actor import RayManagerPools
     from laminar.manager.manager import RolloutManager
     from laminar.modes.driver import Follower, finish
-    from test_faults import _check_nothing_lost, _fault, _runtime, _then_stop
+    from test_faults import _check_nothing_lost, _fault, _freeze_mid_generation, _runtime, _then_stop
     from test_repack_runtime import RecordingFleet
     from waiting import answer, until
 
@@ -117,23 +117,7 @@ def test_vllm_rollouts_with_lora_survive_a_repack_move_and_a_sigkill(tmp_path, r
         # SIGKILL rollout0's process while it holds trajectories with streamed tokens
         pid, partials = ray.get(rt.workers["rollout0"].pid.remote()), rt.pools["partials"]
 
-        def owned_by_rollout0():
-            return {e.request.request_id: e.request.version
-                    for e in ray.get(partials.owned_by.remote("rollout0"))}
-
-        def frozen_mid_generation():
-            if not any(v is not None for v in owned_by_rollout0().values()):
-                return None
-            os.kill(pid, signal.SIGSTOP)
-            owned = owned_by_rollout0()
-            while (again := owned_by_rollout0()) != owned:  # what it sent before the freeze lands
-                owned = again
-            if any(v is not None for v in owned.values()):
-                return owned
-            os.kill(pid, signal.SIGCONT)
-            return None
-
-        owned = until("rollout0 to stream tokens", frozen_mid_generation, poll_s=0.01)
+        owned = _freeze_mid_generation(partials, pid)
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
         fault = _fault(rt, "rollout", "rollout0")
