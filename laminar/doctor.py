@@ -82,7 +82,7 @@ def torch_rows() -> tuple[list[Row], str]:
 
 
 def host_rows() -> list[Row]:
-    from laminar.bench.provenance import cpu_model
+    from laminar.provenance import cpu_model
 
     rows = []
     cores = os.cpu_count() or 0

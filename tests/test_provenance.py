@@ -5,8 +5,8 @@ import json
 import subprocess
 import sys
 
-from laminar.bench import provenance as prov
-from laminar.bench.provenance import command_line, git_commit, provenance
+from laminar import provenance as prov
+from laminar.provenance import command_line, git_commit, provenance
 
 
 def test_record_has_every_key_and_is_json():
@@ -28,7 +28,7 @@ def test_versions_name_every_library():
 
 
 def test_versions_do_not_import_heavy_modules():
-    code = ("import sys; from laminar.bench.provenance import provenance; provenance(); "
+    code = ("import sys; from laminar.provenance import provenance; provenance(); "
             "print(any(m in sys.modules for m in ('torch', 'transformers', 'ray')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

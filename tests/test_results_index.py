@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from laminar.bench.provenance import provenance
+from laminar.provenance import provenance
 from laminar.bench.results import headline, main, write_index
 from laminar.cli import main as cli_main
 

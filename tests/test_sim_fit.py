@@ -86,9 +86,9 @@ def test_fidelity_counts_fit_and_heldout_apart():
 
 
 def test_grid_json_has_the_fidelity_object(monkeypatch, tmp_path):
-    import laminar.sim.run as run
+    import laminar.sim.cli as cli
 
-    monkeypatch.setattr(run, "simulate_grid", lambda **kw: fake_grid())
+    monkeypatch.setattr(cli, "simulate_grid", lambda **kw: fake_grid())
     out = tmp_path / "grid.json"
     assert simulate_main(["--grid", "--quick", "--out", str(out)]) == 0
     data = json.loads(out.read_text())

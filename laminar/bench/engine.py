@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from laminar.bench.provenance import provenance
+from laminar.provenance import provenance
 from laminar.config import ConfigError, ReverseTaskConfig
 from laminar.engine import Engine, HFEngine
 from laminar.engine.protocol import RolloutEngine

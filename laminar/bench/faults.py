@@ -288,7 +288,7 @@ def outcome(run_dir: Path, job: Job) -> dict[str, Any]:
 
 
 def main(quick: bool = False, out: str | None = None, seed: int = 0) -> dict[str, Any]:
-    from laminar.bench.provenance import command_line, provenance
+    from laminar.provenance import command_line, provenance
 
     workload = json.loads(json.dumps(WORKLOAD))
     k = 1 if quick else 2

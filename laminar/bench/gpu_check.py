@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         Path(a.stage_out).write_text(json.dumps(result))
         return result
 
-    from laminar.bench.provenance import provenance
+    from laminar.provenance import provenance
 
     work = Path(a.work or tempfile.mkdtemp(prefix="laminar-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)

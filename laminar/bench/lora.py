@@ -28,7 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from laminar.bench.provenance import provenance, write_result
+from laminar.provenance import provenance, write_result
 
 if TYPE_CHECKING:
     from laminar.engine.protocol import RolloutEngine, WeightTarget

@@ -282,7 +282,7 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
     import ray
 
     from laminar.bench import trl
-    from laminar.bench.provenance import provenance
+    from laminar.provenance import provenance
 
     chosen = parse_modes(modes)
     overrides = list(overrides or [])
@@ -377,7 +377,7 @@ def compare_prediction(predicted: dict[str, float], measured: dict[str, float],
 def run_trl_reference(root: Path, overrides: list[str], steps: int) -> dict[str, Any]:
     """TRL at its best here: each of its settings timed on a few steps, the fastest one run."""
     from laminar.bench import trl
-    from laminar.bench.provenance import versions
+    from laminar.provenance import versions
 
     cfg = bench_config("sync", steps, root / "trl", overrides)
     print(f"bench modes: timing TRL's {len(trl.SETTINGS)} settings ...", flush=True)

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from laminar.bench.provenance import provenance
+from laminar.provenance import provenance
 
 NODES = 5  # head + 4 workers
 LINK_MBIT = 1000.0

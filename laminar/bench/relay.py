@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from laminar.bench.links import Netns
-from laminar.bench.provenance import provenance
+from laminar.provenance import provenance
 from laminar.bench.relay_node import RelayProcess
 from laminar.bench.relay_ray import ray_in_namespaces
 from laminar.config import RelayConfig

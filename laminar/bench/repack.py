@@ -327,7 +327,7 @@ def simulate(curve_ms: dict[str, float], check_s: float, quick: bool) -> dict[st
 
 def main(quick: bool = False, out: str | None = None, repeats: int | None = None,
          steps: int | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
-    from laminar.bench.provenance import provenance
+    from laminar.provenance import provenance
     from laminar.engine.knee import cached_knee
 
     overrides = list(overrides or [])

@@ -39,7 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from laminar.bench.provenance import provenance, write_result
+from laminar.provenance import provenance, write_result
 
 GROUPS, GROUP_SIZE = 32, 8
 TARGETS = {"param_optim_mem_ratio_max": 0.6, "push_stall_ratio_max": 1.2, "throughput_ratio_min": 0.85}

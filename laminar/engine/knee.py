@@ -108,7 +108,7 @@ def model_key(preset: str, path: str | None) -> str:
 
 def cpu_name() -> str:
     """The CPU's model name (one definition: the benchmarks' provenance records the same)."""
-    from laminar.bench.provenance import cpu_model
+    from laminar.provenance import cpu_model
 
     return cpu_model()
 

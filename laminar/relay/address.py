@@ -14,13 +14,18 @@
   0.0.0.0 itself, which no peer can connect to).
 
 Errors are `AddressError`s that name the key, the value, the node and its interfaces.
+
+`node_id(shm_dir)` names the machine whose shared memory a process sees: a relay and a client
+with equal ids exchange weights through that directory.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 from collections.abc import Mapping
+from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
 WILDCARDS = ("0.0.0.0", "::")
@@ -28,6 +33,20 @@ WILDCARDS = ("0.0.0.0", "::")
 
 class AddressError(ValueError):
     pass
+
+
+def node_id(shm_dir: str | os.PathLike[str] = "/dev/shm") -> str:
+    """Identity of this machine's shared memory: relays and clients with equal ids share the shm
+    directory (the same host, boot and tmpfs: nodes in their own mount namespaces differ)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    try:
+        dev = os.stat(shm_dir).st_dev
+    except OSError:
+        dev = 0
+    return f"{socket.gethostname()}/{boot}/{dev}"
 
 
 def local_interfaces() -> dict[str, list[str]]:

@@ -8,8 +8,6 @@
     puller.pull_latest(engine)                    # -> 7, or None if nothing newer than last time
 
 Parts:
-- `prepare_version` / `write_version`: lay named tensors out as one flat buffer and copy them
-  in (one copy; from a GPU this is the device-to-host copy) with a crc32 per chunk.
 - `Pusher`: asks the master relay for a slot, writes the version straight into it (the
   mapping is kept across pushes, so no page is faulted in twice) and has the master publish
   it: the trainer's stall is one copy plus two round trips, whatever the chain length. A
@@ -39,39 +37,16 @@ import torch
 from laminar.config import RelayConfig
 from laminar.devices import StagingBuffer, load_into_module
 from laminar.relay.chain import Inbox, feed_version, request
+from laminar.relay.address import node_id
+from laminar.relay.pack import prepare_version, write_version
 from laminar.relay.plan import ChainPlan, RelayInfo, choose_master
 from laminar.relay.reader import ShmReader, Snapshot
 from laminar.relay.store import WeightStore
 from laminar.relay.transport import ROLE_CONTROL, ROLE_FEED, Link, LinkError, connect, make_transport
-from laminar.relay.version import VersionHeader, checksums, layout, write_header
+from laminar.relay.version import VersionHeader, write_header
 
 if TYPE_CHECKING:
     from laminar.engine.protocol import WeightTarget
-
-
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def prepare_version(named_tensors: Mapping[str, Any], version: int,
-                    chunk_bytes: int) -> tuple[VersionHeader, list[torch.Tensor]]:
-    """The header (layout, no checksums yet) and the tensors, torch or numpy, as torch."""
-    tensors = [v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v))
-               for v in named_tensors.values()]
-    header = layout(((k, _dtype_name(t), tuple(t.shape)) for k, t in zip(named_tensors, tensors)),
-                    version, chunk_bytes)
-    return header, tensors
-
-
-def write_version(data: memoryview, header: VersionHeader, tensors: list[torch.Tensor]) -> None:
-    """Copy tensors into a version's flat buffer (from a GPU: the device-to-host copy) and
-    compute the per-chunk checksums into `header`."""
-    flat = torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
-    for entry, t in zip(header.tensors, tensors):
-        flat[entry.offset:entry.offset + entry.nbytes].copy_(
-            t.detach().contiguous().reshape(-1).view(torch.uint8))
-    del flat
-    header.checksums = checksums(data, header)
 
 
 class _SlotWriter:
@@ -102,8 +77,6 @@ class Pusher:
 
     def __init__(self, plan: ChainPlan, secret: bytes, cfg: RelayConfig | None = None,
                  node: str | None = None) -> None:
-        from laminar.relay.relay import node_id
-
         self.plan, self.secret, self.cfg = plan, secret, cfg or RelayConfig()
         self.node = node or node_id(self.cfg.shm_dir)
         self.dead: set[str] = set()
@@ -248,8 +221,6 @@ class Puller:
     """A rollout's handle on the relay of its own node."""
 
     def __init__(self, relay: RelayInfo, cfg: RelayConfig | None = None) -> None:
-        from laminar.relay.relay import node_id
-
         self.cfg = cfg or RelayConfig()
         here = node_id(self.cfg.shm_dir)
         if relay.node and relay.node != here:  # its shared memory is not this machine's

@@ -13,7 +13,7 @@ Parts:
   `latest`, `heartbeat`, `stop`.
 
 The Ray edge (one actor per node, the group that starts, heartbeats and repairs them) is
-laminar/runtime/relays.py; relays as plain OS processes, for tests and the benchmark, are
+laminar/relay/actor.py; relays as plain OS processes, for tests and the benchmark, are
 laminar/bench/relay_node.py.
 """
 
@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from laminar.config import RelayConfig
-from laminar.relay.address import AddressError, local_interfaces, resolve_host
+from laminar.relay.address import AddressError, local_interfaces, node_id, resolve_host
 from laminar.relay.chain import Inbox, feed_version, serve_feed, serve_requests
 from laminar.relay.plan import ChainPlan, RelayInfo, repair
 from laminar.relay.store import WeightStore
@@ -38,20 +36,6 @@ from laminar.relay.transport import (PING, ROLE_CONTROL, ROLE_FEED, LinkError, T
 from laminar.relay.version import VersionHeader
 
 log = logging.getLogger("laminar.relay")
-
-
-def node_id(shm_dir: str | os.PathLike[str] = "/dev/shm") -> str:
-    """Identity of this machine's shared memory: relays and clients with equal ids share the shm
-    directory (the same host, boot and tmpfs: nodes in their own mount namespaces differ)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = ""
-    try:
-        dev = os.stat(shm_dir).st_dev
-    except OSError:
-        dev = 0
-    return f"{socket.gethostname()}/{boot}/{dev}"
 
 
 def segment_prefix(job: str, relay_id: str) -> str:
@@ -110,7 +94,7 @@ class Relay:
     def publish(self, named_tensors: Mapping[str, Any], version: int) -> dict[str, Any]:
         """Write a state dict into this relay's store and publish it; the version is then in
         this relay's memory and forwarding starts in the background."""
-        from laminar.relay.client import prepare_version, write_version  # torch stays out of plain relays
+        from laminar.relay.pack import prepare_version, write_version  # torch: plain relays never load it
 
         header, tensors = prepare_version(named_tensors, version, self.cfg.chunk_bytes)
         buf = self.store.create(header, header_final=False)

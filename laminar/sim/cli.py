@@ -21,9 +21,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from laminar.provenance import provenance
 from laminar.sim import paper
 from laminar.sim.calibration import Calibration
-from laminar.sim.run import QUICK_MEASURE, QUICK_WARMUP, MEASURE, WARMUP
+from laminar.sim.fit import fidelity
+from laminar.sim.report import grid_table, local_table, plot, point_table
+from laminar.sim.report_md import write_report
+from laminar.sim.run import MEASURE, QUICK_MEASURE, QUICK_WARMUP, WARMUP, simulate_grid, simulate_point
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,13 +94,8 @@ def _run(args: argparse.Namespace) -> int:
     modes = paper.MODES if args.mode == "all" else (args.mode,)
     t0 = time.time()
     if local is not None:
-        from laminar.sim.report import local_table
         out: Any = local_table(local, cal, modes, args.seed, warmup, measure)
     elif args.grid or args.report:
-        from laminar.sim.report import grid_table, write_report
-        from laminar.sim.run import simulate_grid
-        from laminar.sim.fit import fidelity
-        from laminar.bench.provenance import provenance
         grid = simulate_grid(cal=cal, seed=args.seed, warmup=warmup, measure=measure,
                              modes=modes)
         grid_table(grid)
@@ -110,8 +109,6 @@ def _run(args: argparse.Namespace) -> int:
             raise _BadArgs(f"--gpus {gpus} is not a {args.model} scale of the paper's Table 2; "
                            f"allowed for {args.model}: "
                            f"{', '.join(map(str, paper.SCALES[args.model]))}")
-        from laminar.sim.report import point_table
-        from laminar.sim.run import simulate_point
         out = simulate_point(args.model, gpus, modes, cal, args.seed, warmup, measure)
         point_table(out)
     print(f"simulated in {time.time() - t0:.1f} s")
@@ -120,7 +117,6 @@ def _run(args: argparse.Namespace) -> int:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.out}")
     if args.plot:
-        from laminar.sim.report import plot
         points = out["points"] if "points" in out else [out]
         plot([p for p in points if p.get("model") in paper.MODELS], Path(args.plot))
         print(f"wrote {args.plot}")

@@ -7,7 +7,7 @@
 - `score(tp, points)`: (ratios outside tolerance, RMS log error) over the laminar/baseline
   ratios of the given Fig. 11 points only. A ratio is outside when |simulated / paper - 1|
   exceeds 25% (15% for the headline 7B @ 256 laminar/verl ratio), the report's test
-  (`report.tolerance`). Lower is better, compared in that order.
+  (`split.tolerance`). Lower is better, compared in that order.
 - `search`: coordinate descent from the current defaults over `PARAMS`, scored on
   `split.FIT_POINTS` (32 ratios; the held-out points are never simulated), until a full round
   changes nothing. A mode is re-simulated only when a parameter it depends on changes
@@ -27,8 +27,8 @@ from typing import Any
 
 from laminar.sim import paper, split
 from laminar.sim.calibration import Calibration
-from laminar.sim.report import tolerance
 from laminar.sim.run import simulate
+from laminar.sim.split import tolerance
 
 ALL = paper.MODES
 TRAINED_FSDP = ("laminar", "sync", "one_step", "stream")

@@ -5,15 +5,13 @@ Parts:
 - `ratio_errors`: laminar/baseline ratios, simulated vs the paper, per point.
 - `plot`: grouped bars per model and scale, the paper's values as markers.
 - `fig9_check`, `fig18_rows`, `repack_ablation`: the other checks of the report.
-- `write_report`: replaces every `<!-- BEGIN name -->...<!-- END name -->` section of the
-  markdown file with freshly generated content; the prose around them is left alone.
+
+The markdown report built from these is report_md.py.
 """
 
 from __future__ import annotations
 
 import math
-import re
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +21,12 @@ from rich.table import Table
 from laminar.sim import costs, paper
 from laminar.sim.calibration import Calibration
 from laminar.sim.core import paper_setup
+from laminar.sim.local import local_setup, measured_throughput
 from laminar.sim.replica import Replica
+from laminar.sim.schedules import SCHEDULES
 from laminar.sim.schedules import laminar as laminar_schedule
 
 _console = Console(width=150)
-TOL, HEADLINE_TOL = 0.25, 0.15
 
 
 def fmt_k(x: float) -> str:
@@ -43,10 +42,6 @@ def ratio_errors(point: dict[str, Any]) -> dict[str, tuple[float, float, float]]
             sim, pap = tp["laminar"] / tp[b], ref["laminar"] / ref[b]
             out[b] = (sim, pap, sim / pap - 1.0)
     return out
-
-
-def tolerance(model: str, gpus: int, b: str) -> float:
-    return HEADLINE_TOL if (model, gpus, b) == paper.HEADLINE[:3] else TOL
 
 
 def point_table(point: dict[str, Any]) -> None:
@@ -86,8 +81,6 @@ def grid_table(points: list[dict[str, Any]]) -> None:
 
 def local_table(local: dict[str, Any], cal: Calibration, modes: tuple[str, ...], seed: int,
                 warmup: int, measure: int) -> dict[str, Any]:
-    from laminar.sim.local import local_setup, measured_throughput
-    from laminar.sim.schedules import SCHEDULES
 
     results = {m: SCHEDULES[m](local_setup(m, local, cal, seed), warmup, measure) for m in modes}
     tp = {m: r.throughput for m, r in results.items()}
@@ -174,23 +167,3 @@ def repack_ablation(cal: Calibration, warmup: int, measure: int) -> dict[str, fl
     off = laminar_schedule.run(paper_setup("laminar", "32b", 128, cal), warmup, measure, False)
     return dict(train_on=on.throughput, train_off=off.throughput, gen_on=on.gen_throughput,
                 gen_off=off.gen_throughput, repacks=on.repacks, moved=on.moved_trajs)
-
-
-# --- the markdown report ---------------------------------------------------------------------
-
-def write_report(path: Path, points: list[dict[str, Any]], cal: Calibration, warmup: int,
-                 measure: int, args: Any) -> None:
-    from laminar.sim.report_md import sections
-
-    text = path.read_text() if path.exists() else ""
-    command = "laminar simulate --report " + shlex.quote(str(path)) + (" --quick" if args.quick else "")
-    for name, body in sections(points, cal, warmup, measure, command).items():
-        block = f"<!-- BEGIN {name} -->\n{body.rstrip()}\n<!-- END {name} -->"
-        pattern = re.compile(rf"<!-- BEGIN {name} -->.*?<!-- END {name} -->", re.S)
-        if pattern.search(text):
-            text = pattern.sub(lambda _: block, text)
-        else:
-            text += f"\n{block}\n"
-    path.write_text(text)
-    plot(points, path.parent / "simulator-fig11.png")
-    print(f"wrote {path} and {path.parent / 'simulator-fig11.png'}")

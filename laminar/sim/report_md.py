@@ -1,5 +1,8 @@
 """The generated sections of docs/simulator.md, as markdown strings keyed by section name.
 
+`write_report(path, ...)` replaces every `<!-- BEGIN name -->...<!-- END name -->` section of
+the markdown file with freshly generated content; the prose around them is left alone.
+
 `sections(points, cal, warmup, measure, command)` returns:
 - `summary`: laminar/baseline ratios within ±25%, fitted and held-out counted apart
   (`fit.fidelity`), the constants fitted, the headline.
@@ -14,13 +17,16 @@
 from __future__ import annotations
 
 import math
+import re
+import shlex
+from pathlib import Path
 from typing import Any
 
 from laminar.sim import paper, split
 from laminar.sim.calibration import Calibration
 from laminar.sim.fit import fidelity
-from laminar.sim.report import (fig9_check, fig18_rows, fmt_k, ratio_errors, repack_ablation,
-                                tolerance)
+from laminar.sim.report import fig9_check, fig18_rows, fmt_k, plot, ratio_errors, repack_ablation
+from laminar.sim.split import tolerance
 
 
 def sections(points: list[dict[str, Any]], cal: Calibration, warmup: int, measure: int,
@@ -150,3 +156,19 @@ def _calibration(cal: Calibration) -> str:
     for k, v in cal.as_dict().items():
         rows.append(f"| `{k}` | {v if not (isinstance(v, float) and math.isinf(v)) else '∞'} |")
     return "\n".join(rows)
+
+
+def write_report(path: Path, points: list[dict[str, Any]], cal: Calibration, warmup: int,
+                 measure: int, args: Any) -> None:
+    text = path.read_text() if path.exists() else ""
+    command = "laminar simulate --report " + shlex.quote(str(path)) + (" --quick" if args.quick else "")
+    for name, body in sections(points, cal, warmup, measure, command).items():
+        block = f"<!-- BEGIN {name} -->\n{body.rstrip()}\n<!-- END {name} -->"
+        pattern = re.compile(rf"<!-- BEGIN {name} -->.*?<!-- END {name} -->", re.S)
+        if pattern.search(text):
+            text = pattern.sub(lambda _: block, text)
+        else:
+            text += f"\n{block}\n"
+    path.write_text(text)
+    plot(points, path.parent / "simulator-fig11.png")
+    print(f"wrote {path} and {path.parent / 'simulator-fig11.png'}")

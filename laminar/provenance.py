@@ -22,7 +22,7 @@ from typing import Any
 REQUIRED = ("torch", "transformers", "ray", "numpy")
 OPTIONAL = ("trl", "datasets", "accelerate")
 
-_CHECKOUT = Path(__file__).resolve().parents[2]
+_CHECKOUT = Path(__file__).resolve().parents[1]
 
 
 def provenance(config: dict | None = None, command: str | None = None) -> dict[str, Any]:
