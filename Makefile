@@ -44,7 +44,7 @@ test-under-load: $(TEST_STAMP)
 
 # Every benchmark at full size (engine, relay, simulator grid, modes: bench modes is most of the
 # time, about 75 minutes; faults about 6; multinode about 11, needs root), then the index docs/results/README.md. Before bench modes, the
-# simulator predicts its ratios from a calibration measured on this machine (sim/local.py).
+# simulator predicts its ratios from a calibration measured on this machine (bench/calibrate.py).
 # The bench extra (TRL for `bench modes`) is installed on top; the torch installed above stays.
 RESULTS := docs/results
 bench: $(STAMP)
@@ -52,7 +52,7 @@ bench: $(STAMP)
 	$(BIN)/laminar bench engine --out $(RESULTS)/bench-engine.json
 	$(BIN)/laminar bench relay --out $(RESULTS)/bench-relay.json
 	$(BIN)/laminar simulate --grid --out $(RESULTS)/sim-grid.json
-	$(BIN)/python -m laminar.sim.local --out $(RESULTS)/sim-local-calibration.json
+	$(BIN)/python -m laminar.bench.calibrate --out $(RESULTS)/sim-local-calibration.json
 	$(BIN)/laminar simulate --calibration $(RESULTS)/sim-local-calibration.json --out $(RESULTS)/sim-local-prediction.json
 	$(BIN)/laminar bench modes --predicted $(RESULTS)/sim-local-prediction.json --out $(RESULTS)/bench-modes.json
 	$(BIN)/laminar bench faults --out $(RESULTS)/bench-faults.json

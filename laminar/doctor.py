@@ -14,17 +14,18 @@ build and devices are not in the metadata).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
 import platform
 import shutil
 import sys
-import time
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from typing import Any
+
+from laminar.provenance import cpu_model
+from laminar.sandbox import probe
 
 
 @dataclass
@@ -60,7 +61,7 @@ def torch_rows() -> tuple[list[Row], str]:
         import torch
     except Exception as e:  # noqa: BLE001 - any import failure is the answer
         return [Row("torch", "torch", "missing", f"cannot import torch: {e}")], "none"
-    from laminar.devices import cuda_available, no_cuda_reason, torch_build
+    from laminar.devices import cuda_available, no_cuda_reason, torch_build  # torch
 
     build = torch_build()
     rows = [Row("torch", "torch", "ok", f"{torch.__version__} ({build} build)")]
@@ -82,8 +83,6 @@ def torch_rows() -> tuple[list[Row], str]:
 
 
 def host_rows() -> list[Row]:
-    from laminar.provenance import cpu_model
-
     rows = []
     cores = os.cpu_count() or 0
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
@@ -147,10 +146,6 @@ def backend_rows(torch_build: str) -> list[Row]:
 
 def sandbox_rows() -> list[Row]:
     """Which sandbox backend works here (a real sandbox is started per backend)."""
-    try:
-        from laminar.sandbox import probe
-    except Exception as e:  # noqa: BLE001
-        return [Row("sandbox", "sandbox", "missing", f"cannot import laminar.sandbox: {e}")]
     rows, chosen = [], None
     for backend in ("bwrap", "unshare"):
         why = probe(backend)
@@ -173,21 +168,13 @@ def ray_rows(start: bool) -> list[Row]:
         rows.append(Row("ray", "ray.init", "info", "not tried (--ray starts a local cluster for a moment)"))
         return rows
     try:
-        import ray
+        from laminar.runtime.probe import local_cluster  # ray: imported only when --ray asks
 
-        from laminar.runtime import ray_env_defaults
-
-        ray_env_defaults()  # the environment laminar's own jobs start Ray with
-        t0 = time.perf_counter()
-        with contextlib.redirect_stdout(sys.stderr):  # keep --json's stdout pure
-            ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
-            res = ray.cluster_resources()
-            ray.shutdown()
+        seconds, res = local_cluster()
         shown = [f"{k} {_gib(v) if 'memory' in k else f'{v:g}'}" for k, v in sorted(res.items())
                  if k in ("CPU", "GPU", "memory", "object_store_memory")]
         rows.append(Row("ray", "ray.init", "ok", f"a local cluster started and stopped in "
-                        f"{time.perf_counter() - t0:.1f}s ({', '.join(shown)})"))
+                        f"{seconds:.1f}s ({', '.join(shown)})"))
     except Exception as e:  # noqa: BLE001
         rows.append(Row("ray", "ray.init", "missing", f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
     return rows

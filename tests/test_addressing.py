@@ -12,7 +12,8 @@ from laminar.relay.address import AddressError, resolve_host
 from laminar.relay.client import Puller
 from laminar.relay.plan import RelayInfo
 from laminar.relay.relay import node_id
-from laminar.runtime.shipping import SHIPPED_ENV, shipped_copy, user_runtime_env
+from laminar.plugins import SHIPPED_ENV, shipped_copy
+from laminar.runtime.shipping import user_runtime_env
 
 IFACES = {"lo": ["127.0.0.1"], "eth0": ["192.0.2.7"], "ib0": ["10.20.3.4"], "docker0": []}
 

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from laminar.config import CalcTaskConfig, Config, SandboxConfig
-from laminar.envs.calc import CalcEnv
+from laminar.tasks.calc import CalcEnv
 from laminar.tasks import calc
 from laminar.types import PromptItem
 

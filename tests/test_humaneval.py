@@ -36,7 +36,7 @@ def sandbox_or_skip(cfg: SandboxConfig) -> SandboxConfig:
 
 def check(task_id: str, completion: str, sandbox: SandboxConfig | None = None):
     """The environment's verdict on one completion (one turn: reset, step)."""
-    from laminar.envs.humaneval import HumanEvalEnv
+    from laminar.tasks.humaneval import HumanEvalEnv
 
     env = HumanEvalEnv(HumanEvalTaskConfig(), sandbox or SandboxConfig())
     run(env.reset(PromptItem(0, "", task_id)))
@@ -137,7 +137,7 @@ def test_verdicts_match_human_evals_own_checker():
 
 @needs_he
 def test_every_canonical_solution_passes_in_the_sandbox():
-    from laminar.envs.humaneval import HumanEvalEnv
+    from laminar.tasks.humaneval import HumanEvalEnv
     from laminar.tasks.humaneval import load
 
     sandbox_or_skip(SandboxConfig())
@@ -208,7 +208,7 @@ def test_endless_loop_and_socket_are_contained():
 
 @needs_he
 def test_env_pickles_mid_episode():
-    from laminar.envs.humaneval import HumanEvalEnv
+    from laminar.tasks.humaneval import HumanEvalEnv
     from laminar.tasks.humaneval import load
 
     sandbox_or_skip(SandboxConfig())

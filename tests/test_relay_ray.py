@@ -13,7 +13,7 @@ from laminar.config import RelayConfig
 from laminar.engine.hf import HFEngine
 from laminar.models.builder import build_preset
 from laminar.relay.client import Puller, Pusher
-from laminar.runtime.relays import RelayGroup
+from laminar.relay.actor import RelayGroup
 from waiting import until
 
 SECRET = b"ray-test-secret"
@@ -89,7 +89,7 @@ def test_a_link_cut_between_two_live_relays_is_tried_again(ray_cluster):
     one feeds it: the group's next check sees a link cut between two live relays, gives the
     relays the group's plan back, and b gets the next version (before, it kept its last one
     for good, and so did its rollouts)."""
-    from laminar.runtime.relays import cut_links
+    from laminar.relay.actor import cut_links
 
     ray = ray_cluster
     job = f"ray{uuid.uuid4().hex[:6]}"
@@ -123,7 +123,7 @@ def test_a_link_cut_between_two_live_relays_is_tried_again(ray_cluster):
 
 
 def test_a_cut_link_is_tried_at_once_then_less_and_less_often():
-    from laminar.runtime.relays import links_due
+    from laminar.relay.actor import links_due
 
     link, other = ("a", "b"), ("b", "c")
     due, plan = links_due([link], {}, now=100.0)

@@ -169,7 +169,7 @@ def _broadcast(spec: dict[str, Any]) -> dict[str, Any]:
     from laminar.models.builder import build_preset
     from laminar.relay.client import Pusher
     from laminar.relay.plan import ChainPlan, RelayInfo
-    from laminar.runtime.relays import alive_nodes, pin
+    from laminar.actor import alive_nodes, pin
 
     ray.init(address=spec["address"], include_dashboard=False, logging_level="ERROR",
              log_to_driver=False)

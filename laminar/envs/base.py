@@ -48,12 +48,14 @@ retries).
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from laminar.config import ConfigError
+from laminar.plugins import import_target
 from laminar.types import PromptItem
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # template.py loads the tokenizer (transformers, torch)
     from laminar.envs.template import TurnTemplate
 
 
@@ -106,6 +108,11 @@ class TokenEnv(Env):
         raise NotImplementedError
 
 
+def exact_match(response: str, answer: str) -> bool:
+    """The held-out score of a final answer (`info["exact_match"]` of a last step)."""
+    return response.strip() == answer.strip()
+
+
 class RewardEnv(Env):
     """A reward as a one-turn environment: the prompt, one model turn, its score."""
 
@@ -118,8 +125,6 @@ class RewardEnv(Env):
         return sample.prompt
 
     async def step(self, text: str) -> StepResult:
-        from laminar.tasks.rewards import exact_match
-
         s = self.sample
         reward = float(self.reward_fn(s.prompt, text, s.answer))
         return StepResult("", reward, True, {"exact_match": exact_match(text, s.answer)})
@@ -127,8 +132,6 @@ class RewardEnv(Env):
 
 def resolve_env(path: str) -> type[Env]:
     """`package.module:Class` or `my_envs.py:Class` -> the class, checked against the API."""
-    from laminar.tasks.rewards import import_target
-
     cls = import_target(path, "task.env", "Class")
     if not isinstance(cls, type):
         raise ConfigError(f"task.env='{path}' is not a class (got {type(cls).__name__}); name a "
@@ -137,8 +140,6 @@ def resolve_env(path: str) -> type[Env]:
     if missing:
         raise ConfigError(f"task.env='{path}': class {cls.__name__} has no {', '.join(missing)}; "
                           "an environment implements async reset(sample) and step(text)")
-    import inspect
-
     for name in ("reset", "step"):
         if not inspect.iscoroutinefunction(getattr(cls, name)):
             raise ConfigError(f"task.env='{path}': {cls.__name__}.{name} must be `async def` "

@@ -50,6 +50,7 @@ from laminar.envs.base import StepResult, TokenEnv, Turn
 from laminar.envs.openai_server import MODEL, Call, Server, error, running_server
 from laminar.envs.template import stop_sequences
 from laminar.models.tokenizer import encode_prompt
+from laminar.plugins import import_target
 from laminar.types import PromptItem
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -76,8 +77,6 @@ class Finished(NamedTuple):
 
 def resolve_agent(path: str) -> Callable[..., Any]:
     """`my_agent.py:run` or `package.module:run` -> the function, checked against the contract."""
-    from laminar.tasks.rewards import import_target
-
     fn = import_target(path, "task.agent", "function")
     if not inspect.iscoroutinefunction(fn):
         raise ConfigError(f"task.agent='{path}' must be a coroutine function: `async def "

@@ -18,10 +18,11 @@ from typing import Any
 
 import ray
 
+from laminar.actor import alive_nodes, pin
 from laminar.config import Config
 from laminar.manager.manager import RolloutManager
 from laminar.pools.partials import PartialEntry
-from laminar.runtime.relays import RelayGroup, alive_nodes, pin
+from laminar.relay.actor import RelayGroup
 from laminar.types import GenerationRequest, RolloutSnapshot, Unfinished
 
 log = logging.getLogger("laminar.manager")
@@ -33,7 +34,7 @@ class RolloutSpec:
     re-creation of a dead rollout all start them alike."""
 
     cfg: Config
-    model_dir: Any  # the starting weights: a path, or a shipping.ShippedDir on a cluster
+    model_dir: Any  # the starting weights: a path, or an actor.ShippedDir on a cluster
     version: int  # their version (a rollout pulls the newest from its relay before generating)
     relays: dict[str, dict[str, Any]]  # relay id -> its RelayInfo as a dict
     options: dict[str, dict[str, Any]]  # relay id -> Ray options of a rollout on its node (pin)

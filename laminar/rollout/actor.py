@@ -21,8 +21,10 @@ from typing import Any
 import ray
 import torch
 
+from laminar.actor import materialize
 from laminar.config import Config
 from laminar.engine.lora import rollout_lora
+from laminar.envs.openai_server import serve_rollout
 from laminar.models import load_pretrained
 from laminar.pools.partials import TokenUpdate
 from laminar.rollout.build import engine_factory
@@ -102,10 +104,8 @@ class RolloutActor:
         torch.set_num_threads(cfg.rollout.threads)
         if cfg.rollout.cpu_nice:
             os.nice(cfg.rollout.cpu_nice)  # yield the CPU to the trainer (always allowed)
-        from laminar.runtime.shipping import materialize  # on a cluster node: its own copy
-
         self.cfg = cfg
-        local_dir = materialize(model_dir)
+        local_dir = materialize(model_dir)  # on a cluster node: its own copy
         model, tokenizer = load_pretrained(local_dir, cfg.model.attn_implementation)
         seed = zlib.crc32(f"{cfg.trainer.seed}/{rollout_id}".encode())  # stable, distinct per rollout
         make_engine = engine_factory(cfg, local_dir, tokenizer, version, seed)
@@ -114,8 +114,6 @@ class RolloutActor:
                        RayBuffer(pools["buffer"]), RelayWeights(relay, cfg.relay))
         task = build_task(cfg.task, cfg.sandbox, prompts=False)
         if cfg.rollout.openai_server:  # task.agent's endpoint, started now: a bad address fails here
-            from laminar.envs.openai_server import serve_rollout
-
             serve_rollout(cfg, rollout_id)
         finisher = make_finisher(cfg, task, tokenizer, seed)
         evaluator = Evaluator(make_engine, tokenizer, task, finisher.rewards,

@@ -38,7 +38,7 @@ from laminar.config import Config, ConfigError
 from laminar.rollout.policy import Policy
 from laminar.runtime import TrainerRestarted, ray_env_defaults
 from laminar.runtime.placement import place
-from laminar.runtime.relays import alive_nodes, pin
+from laminar.actor import alive_nodes, pin
 from laminar.types import RolloutSnapshot
 
 LIGHT = {"num_cpus": 0}
@@ -110,7 +110,7 @@ class ClusterRuntime:
         from laminar.pools.experience import ExperienceBuffer
         from laminar.pools.partials import PartialPool
         from laminar.pools.prompts import PromptEncoder, PromptPool, PromptSampler
-        from laminar.runtime.relays import RelayGroup
+        from laminar.relay.actor import RelayGroup
         from laminar.tasks import build_task
         from laminar.trainer.actor import TrainerActor, start_trainer_group
 
@@ -204,7 +204,7 @@ class ClusterRuntime:
         """Every rollout, the trainer and the manager answer once; one that failed to start is
         an error naming it and its node (e.g. a reward module that node cannot import)."""
         from laminar.config import ConfigError
-        from laminar.runtime.relays import start_failure
+        from laminar.actor import start_failure
 
         refs = ({f"rollout worker {w}": h.snapshot.remote() for w, h in self.workers.items()}
                 | {"trainer": self.trainer.metrics_since.remote(0),
@@ -236,7 +236,7 @@ class ClusterRuntime:
             return self.model_dir
         from pathlib import Path
 
-        from laminar.runtime.shipping import ShippedDir, fingerprint, pack
+        from laminar.actor import ShippedDir, fingerprint, pack
 
         d = Path(self.model_dir)
         return ShippedDir(str(d), fingerprint(d), ray.put(pack(d)))

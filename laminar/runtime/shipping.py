@@ -9,14 +9,15 @@ not the driver's folders, so the runtime ships what the config names:
   `laminar_user_<hash>` (its `.py` files and data files of at most 1 MiB: json, yaml, txt,
   csv...; not hidden folders, caches or the job's run directory) and handed to Ray as `runtime_env.py_modules`; `LAMINAR_SHIPPED` (an environment
   variable of every worker) maps the driver's folder to that package, and
-  `laminar.tasks.rewards.import_target` loads the file from the package's copy on a node where
+  `laminar.plugins.import_target` loads the file from the package's copy on a node where
   the driver's path does not exist.
 - **dotted targets** (`my_pkg.rewards:fn`) whose top-level package lives outside
   site-packages (a folder on the driver's PYTHONPATH) go as `py_modules` under their own name;
   installed packages are expected on every node.
 - **the starting model directory** (a local Hugging Face directory, or the SFT warm start)
   goes through Ray's object store once; a rollout on a node without that directory unpacks it
-  into a node-local cache keyed by the directory's fingerprint (`materialize`).
+  into a node-local cache keyed by the directory's fingerprint (`materialize`, in
+  laminar/actor.py, where the actor shells can reach it).
 
 A target that still cannot be imported on a node fails that rollout's start with the config key,
 the node's address and the import error (the runtime reports it; see cluster.py).
@@ -27,15 +28,14 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import sysconfig
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SHIPPED_ENV = "LAMINAR_SHIPPED"
+from laminar.config import TARGET_KEYS
+from laminar.plugins import SHIPPED_ENV
+
 MAX_FILE = 1 << 20  # data files larger than this stay behind (say so in the log)
 MAX_TOTAL = 64 << 20
 
@@ -43,8 +43,6 @@ MAX_TOTAL = 64 << 20
 def targets(task: Any, files: bool) -> list[tuple[str, str]]:
     """(config key, target) of the task's `file.py:name` targets (`files`) or its dotted
     `package.module:name` ones."""
-    from laminar.config import TARGET_KEYS
-
     out = []
     for key in TARGET_KEYS:
         value = getattr(task, key, None)
@@ -116,68 +114,3 @@ def user_runtime_env(task: Any, staging: Path, exclude: list[Path] | None = None
     if not modules:
         return {}, notes
     return {"py_modules": modules, "env_vars": {SHIPPED_ENV: json.dumps(shipped)}}, notes
-
-
-def shipped_copy(file: Path) -> Path | None:
-    """Where the copy of the driver's `file` is on this node (None: not shipped here)."""
-    shipped = json.loads(os.environ.get(SHIPPED_ENV) or "{}")
-    package = shipped.get(str(file.parent))
-    if package is None:
-        return None
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    copy = Path(list(spec.submodule_search_locations)[0]) / file.name
-    return copy if copy.is_file() else None
-
-
-# ------------------------------------------------------------------------------- the model
-
-
-@dataclass(frozen=True)
-class ShippedDir:
-    """A directory in Ray's object store: `files` is an ObjectRef of {relative path: bytes}."""
-
-    source: str  # the driver's path
-    fingerprint: str
-    files: Any
-
-
-def fingerprint(directory: Path) -> str:
-    h = hashlib.sha1()
-    for p in sorted(directory.rglob("*")):
-        if p.is_file():
-            st = p.stat()
-            h.update(f"{p.relative_to(directory)}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
-
-
-def pack(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-def materialize(model: "str | ShippedDir") -> str:
-    """A path to the model directory on this node: the driver's path where it exists with the
-    same content, else an unpacked copy in a node-local cache (once per fingerprint)."""
-    if isinstance(model, str):
-        return model
-    src = Path(model.source)
-    if src.is_dir() and fingerprint(src) == model.fingerprint:
-        return str(src)
-    cache = Path(tempfile.gettempdir()) / "laminar-models" / model.fingerprint
-    if (cache / ".complete").exists():
-        return str(cache)
-    import ray
-
-    files = ray.get(model.files)
-    tmp = cache.with_name(f"{cache.name}.{os.getpid()}.part")
-    for rel, data in files.items():
-        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp / rel).write_bytes(data)
-    (tmp / ".complete").touch()
-    try:
-        tmp.rename(cache)
-    except OSError:  # another rollout on this node unpacked it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(cache)

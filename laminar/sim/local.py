@@ -17,9 +17,9 @@ curve; defaults mirror laminar's default config on a CPU box):
     }}
 
 `local_setup` turns it into a `Setup`; `measured_throughput` reads the measured mode
-throughputs to compare the predicted ratios with. `python -m laminar.sim.local --out FILE`
-measures this machine (engine benchmark + a short sync training with `laminar bench modes`'
-workload) and writes such a file (`measure`, `block_from_run`).
+throughputs to compare the predicted ratios with; `block_from_run` writes the block of a
+finished run. `python -m laminar.bench.calibrate --out FILE` measures this machine (engine
+benchmark + a short sync training with `laminar bench modes`' workload) and writes such a file.
 """
 
 from __future__ import annotations
@@ -135,45 +135,3 @@ def block_from_run(run_dir: Path, engine_json: Path, cfg: Any, warmup: int = 2) 
         "env_median_s": ro.env_latency.median_s if ro.env_latency.enabled else 0.0,
         "env_sigma": ro.env_latency.sigma, "env_max_s": ro.env_latency.max_s,
     }
-
-
-def measure(out: Path, steps: int, measured: str | None) -> dict[str, Any]:
-    """Run `laminar bench engine --quick` and a short sync training with `laminar bench
-    modes`' workload, and write a calibration file for `laminar simulate --calibration`."""
-    from laminar.bench import engine as bench_engine
-    from laminar.bench.modes import bench_config
-    from laminar.modes import run_training
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    engine_json = out.with_name(out.stem + "-engine.json")
-    bench_engine.main(quick=True, out=str(engine_json))
-    run_dir = out.with_name(out.stem + "-run")
-    cfg = bench_config("sync", steps, run_dir)
-    run_training(cfg)  # starts (and stops) its own embedded cluster
-    block = block_from_run(cfg.resolved_run_dir, engine_json, cfg)
-    if measured:
-        block["measured"] = measured
-    ro = cfg.rollout
-    share = ro.batch_groups * ro.num_workers / cfg.trainer.prompts_per_step
-    data = {"local": block, "inflight_batches": share, "partial_inflight_batches": share,
-            "max_outstanding_batches": float(ro.max_outstanding_batches),
-            "version_lag": ro.version_lag,
-            "stream_minibatches": True}  # the runtime's free-running trainers always stream
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {out}")
-    return data
-
-
-def main() -> None:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Measure this machine for the simulator.")
-    ap.add_argument("--out", required=True, help="calibration JSON to write")
-    ap.add_argument("--steps", type=int, default=6, help="sync training steps to time")
-    ap.add_argument("--measured", help="`laminar bench modes` JSON to compare against")
-    args = ap.parse_args()
-    measure(Path(args.out), args.steps, args.measured)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 
 `build_task(cfg, sandbox)` returns a `Task` with training prompts, held-out evaluation prompts
 and either a scoring function (one turn: `reverse`, `dataset`) or an environment factory (many
-turns, laminar/envs: the built-in agentic `calc`, any `task.env` with the task's prompts, or
+turns, laminar/envs: the built-in agentic `calc` (its environment in tasks/calc.py), any `task.env` with the task's prompts, or
 a `task.agent` written against the OpenAI client).
 Your own data: `dataset` (JSONL/Parquet) with any reward given as a dotted path or a file (see
 `laminar.tasks.rewards`). From the field (the `tasks` extra): `reasoning_gym` (its generators,
@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from laminar.config import SandboxConfig, TaskConfig
-from laminar.tasks import reverse
+from laminar.envs.base import make_env, resolve_env
+from laminar.tasks import calc, humaneval, reasoning_gym, reverse
 from laminar.tasks.dataset import LoadReport, load_dataset
 from laminar.tasks.rewards import RewardFn, exact_match, resolve_reward, score
 from laminar.types import PromptItem
@@ -67,8 +68,6 @@ def build_task(cfg: TaskConfig, sandbox: SandboxConfig | None = None,
         train = reverse.make_prompts(cfg.reverse, cfg.reverse.num_prompts, seed=cfg.seed)
         held_out = reverse.make_prompts(cfg.reverse, cfg.eval_prompts, seed=cfg.seed + 10_007)
     elif cfg.name == "calc" and prompts:
-        from laminar.tasks import calc
-
         train = calc.make_questions(cfg.calc, cfg.calc.num_prompts, seed=cfg.seed)
         held_out = calc.make_questions(cfg.calc, cfg.eval_prompts, seed=cfg.seed + 10_007)
     elif cfg.name == "dataset" and prompts:
@@ -77,46 +76,33 @@ def build_task(cfg: TaskConfig, sandbox: SandboxConfig | None = None,
         picks = rng.choice(len(train), size=min(cfg.eval_prompts, len(train)), replace=False)
         held_out = [train[i] for i in sorted(picks)]
     elif cfg.name == "reasoning_gym" and prompts:
-        from laminar.tasks import reasoning_gym
-
         train, held_out = reasoning_gym.make_prompts(cfg.reasoning_gym, cfg.eval_prompts)
     elif cfg.name == "humaneval" and prompts:
-        from laminar.tasks import humaneval
-
         train, held_out = humaneval.make_prompts(cfg.humaneval, cfg.eval_prompts, seed=cfg.seed)
     task = Task(cfg.name, train, held_out, reward_fn, report)
     if cfg.agent is not None:  # an OpenAI-client agent on the task's prompts
-        from laminar.envs.openai_agent import AgentEnv, resolve_agent
+        from laminar.envs.openai_agent import AgentEnv, resolve_agent  # transformers (the tokenizer)
 
         agent = resolve_agent(cfg.agent)
         task.make_env, task.stop = (lambda: AgentEnv(agent, cfg.agent)), ()
     elif cfg.env is not None:  # the user's environment on the task's prompts
-        from laminar.envs.base import make_env, resolve_env
-
         cls, args = resolve_env(cfg.env), dict(cfg.env_args)
         make_env(cls, args)  # a bad env_args fails here, where the config is read
         task.make_env, task.stop = (lambda: make_env(cls, args)), tuple(cls.stop)
     elif cfg.name == "calc":
-        from laminar.envs.calc import CalcEnv
-        from laminar.tasks import calc
-
         box = sandbox or SandboxConfig()
-        task.make_env, task.stop = (lambda: CalcEnv(box)), tuple(CalcEnv.stop)
+        task.make_env, task.stop = (lambda: calc.CalcEnv(box)), tuple(calc.CalcEnv.stop)
         task.demonstrate = calc.demonstration
     elif cfg.name == "reasoning_gym":
-        from laminar.tasks import reasoning_gym
-
         reasoning_gym.load()  # the missing extra is named here, also where prompts are not made
         rg = cfg.reasoning_gym
         task.make_env = lambda: reasoning_gym.ReasoningGymEnv(rg)
         task.demonstrate = reasoning_gym.demonstration
     elif cfg.name == "humaneval":
-        from laminar.envs.humaneval import HumanEvalEnv
-        from laminar.tasks import humaneval
-
         humaneval.load()
         he, box = cfg.humaneval, sandbox or SandboxConfig()
-        task.make_env, task.stop = (lambda: HumanEvalEnv(he, box)), humaneval.stop_strings(he)
+        task.make_env = lambda: humaneval.HumanEvalEnv(he, box)
+        task.stop = humaneval.stop_strings(he)
         task.demonstrate = humaneval.demonstration
     return task
 

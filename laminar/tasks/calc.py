@@ -1,6 +1,6 @@
 """The built-in agentic `calc` task: questions a tiny model cannot answer in its head.
 
-The model writes a Python one-liner in a tool tag, the sandbox runs it (laminar/envs/calc.py),
+The model writes a Python one-liner in a tool tag, the sandbox runs it (`CalcEnv`, below),
 the output comes back, and the model answers; the answer is scored by exact match. The whole
 transcript is plain text (the built-in template: one token per character), kept short:
 
@@ -32,7 +32,9 @@ import math
 
 import numpy as np
 
-from laminar.config import CalcTaskConfig
+from laminar.config import CalcTaskConfig, SandboxConfig
+from laminar.envs.base import Env, StepResult
+from laminar.sandbox import shared_sandbox
 from laminar.types import PromptItem
 
 FORMAT = "calc-v4"  # bump when questions, programs or observations change (the SFT cache key)
@@ -160,3 +162,40 @@ def make_questions(cfg: CalcTaskConfig, n: int, seed: int) -> list[PromptItem]:
             q, ans = f"primes<{limit}", int(pi[limit])
         items.append(PromptItem(index=i, prompt=f"Q:{q}\n", answer=str(ans)))
     return items
+
+
+# --- the environment -----------------------------------------------------------------------
+
+class CalcEnv(Env):
+    """The environment of the calc task.
+
+    A turn holding a complete `<py>...</py>` tool call runs its code in the sandbox and shows the
+    output (`\\n<out>...</out>\\nA:`; an error, timeout or cut output shows the sandbox's message,
+    tail-truncated to 200 characters); any other turn is the final answer, scored by exact match.
+    A turn that opens `<py>` and never closes it (the token budget ran out) ends the episode with
+    reward 0. The state is plain data (the sandbox settings and the answer), so an episode pickles
+    and moves between rollouts; the sandbox itself is the process's shared pool.
+    """
+
+    stop = (TOOL_CLOSE,)
+
+    def __init__(self, sandbox: SandboxConfig | None = None) -> None:
+        self.sandbox = sandbox if sandbox is not None else SandboxConfig()
+        self.answer = ""
+
+    async def reset(self, sample: PromptItem) -> str:
+        self.answer = sample.answer
+        return sample.prompt
+
+    async def step(self, text: str) -> StepResult:
+        start = text.find(TOOL_OPEN)
+        if start >= 0:
+            end = text.find(TOOL_CLOSE, start + len(TOOL_OPEN))
+            if end < 0:  # an unclosed tool call: the turn ran out of budget
+                return StepResult("", 0.0, True, {"exact_match": False})
+            code = text[start + len(TOOL_OPEN):end]
+            r = await shared_sandbox(self.sandbox).arun(code)
+            return StepResult(observation_text(r.observation()), 0.0, False,
+                              {"tool_s": r.wall_s, "tool_status": r.status})
+        exact = text.strip() == self.answer
+        return StepResult("", 1.0 if exact else 0.0, True, {"exact_match": exact})

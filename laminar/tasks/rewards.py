@@ -12,13 +12,14 @@ laminar/tasks/reward_pool.py adds the timeout and the retries, and runs it in wo
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from collections.abc import Callable
 from typing import Any
 
 from laminar.config import ConfigError
+from laminar.envs.base import exact_match
+from laminar.plugins import import_target
 
 RewardFn = Callable[[str, str, str], float]
 
@@ -48,35 +49,10 @@ def similarity_reward(prompt: str, response: str, answer: str) -> float:
     return similarity(response.strip(), answer.strip())
 
 
-def exact_match(response: str, answer: str) -> bool:
-    return response.strip() == answer.strip()
-
-
 def exact_match_reward(prompt: str, response: str, answer: str) -> float:
     """1.0 for exactly the answer, else 0.0: rewards only what the held-out exact match scores
     (`task.reward: laminar.tasks.rewards:exact_match_reward`; `laminar bench modes` uses it)."""
     return float(exact_match(response, answer))
-
-
-def import_target(path: str, key: str, kind: str = "function") -> Any:
-    """`package.module:name` or `my_file.py:name` (a file path, absolute or relative to the
-    current folder; configs make theirs absolute) -> the object; a ConfigError naming `key`."""
-    module_name, sep, attr = path.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{key}='{path}' is not of the form package.module:{kind} or "
-                          f"my_file.py:{kind}")
-    if module_name.endswith(".py"):
-        module = _module_from_file(path, module_name, key)
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ConfigError(f"{key}='{path}': cannot import module '{module_name}' ({e}); "
-                              "is it installed or on PYTHONPATH? (a file beside your config: "
-                              f"{key}: my_file.py:{kind})") from None
-    if not hasattr(module, attr):
-        raise ConfigError(f"{key}='{path}': module '{module_name}' has no {kind} '{attr}'")
-    return getattr(module, attr)
 
 
 def resolve_reward(path: str | None) -> RewardFn:
@@ -126,33 +102,3 @@ def score(fn: RewardFn, prompt: str, response: str, answer: str) -> tuple[float,
     scores 0 with an error."""
     value, _, error = call_reward(fn, prompt, response, answer)
     return value, error
-
-
-def _module_from_file(path: str, file: str, key: str) -> Any:
-    """Import `file` (a .py path) as a module of its own, once per process."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    where = Path(file).resolve()
-    if not where.is_file():
-        from laminar.runtime.shipping import shipped_copy  # on a cluster node: the shipped copy
-
-        copy = shipped_copy(where)
-        if copy is None:
-            raise ConfigError(f"{key}='{path}': no file {where}; give a path relative to the "
-                              "config file (or absolute)")
-        where = copy
-    name = f"laminar_user_{where.stem}_{abs(hash(str(where))) % 10**8}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, where)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(where.parent))  # its own imports of files beside it
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        raise ConfigError(f"{key}='{path}': importing {where} failed: "
-                          f"{type(e).__name__}: {e}") from None
-    sys.modules[name] = module
-    return module

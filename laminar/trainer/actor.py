@@ -30,13 +30,15 @@ from typing import Any
 import ray
 import torch
 
+from laminar.actor import materialize, start_failure
 from laminar.config import Config, ConfigError
+from laminar.models import load_pretrained
 from laminar.relay.client import Pusher
 from laminar.relay.plan import ChainPlan
 from laminar.relay.version import VersionHeader
-from laminar.runtime.relays import start_failure
 from laminar.trainer.ranks import RankLost, Ranks, fit_problem, follow, rank_bundles, rendezvous
 from laminar.trainer.service import TrainerService
+from laminar.trainer.trainer import Trainer
 from laminar.types import Trajectory
 
 log = logging.getLogger("laminar.trainer")
@@ -87,7 +89,7 @@ class TrainerActor(TrainerService):
                  pool_names: dict[str, str], group: dict[str, Any] | None = None) -> None:
         """`group` (world size > 1): {"pg": the placement group, "bundles": its bundles,
         "model": the starting model as ranks on other nodes get it (a path or a
-        shipping.ShippedDir)}."""
+        actor.ShippedDir)}."""
         self.pusher = Pusher(ChainPlan.from_dict(plan), secret, cfg.relay)
         with warnings.catch_warnings():  # Ray's own property trips its deprecation warning
             warnings.simplefilter("ignore")
@@ -192,10 +194,6 @@ class TrainerRank:
         self.cfg, self.model_source, self.rank = cfg, model, rank
 
     def start(self, host: str, port: int, token: str) -> int:
-        from laminar.models import load_pretrained
-        from laminar.runtime.shipping import materialize
-        from laminar.trainer.trainer import Trainer
-
         cfg = self.cfg
         seen = cfg.resolved_run_dir / SEEN
         if not seen.is_file() or seen.read_text() != token:

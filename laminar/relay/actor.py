@@ -22,44 +22,13 @@ from typing import Any
 
 import ray
 
+from laminar.actor import start_failure
 from laminar.config import ConfigError, RelayConfig
-from laminar.relay.plan import ChainPlan, RelayInfo, repair, to_cut
+from laminar.relay.plan import ChainPlan, RelayInfo, join, repair, to_cut
 from laminar.relay.relay import Relay, segment_prefix
 from laminar.relay.store import cleanup
 
 log = logging.getLogger("laminar.relay")
-
-
-def alive_nodes() -> dict[str, str]:
-    """Ray node id -> address, of the cluster's live nodes."""
-    return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
-
-
-def pin(node: str | None) -> dict[str, Any]:
-    """Ray options that keep an actor on `node` (None: anywhere, one machine)."""
-    if node is None:
-        return {}
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
-
-
-def start_failure(e: BaseException) -> tuple[str, str]:
-    """(exception class name, its message) of what made an actor's constructor fail, out of
-    Ray's wrapping (ActorDiedError / RayTaskError text around the original exception)."""
-    import re
-
-    head = re.compile(r"^\s*(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception)): ?(.*)$")
-    text = str(getattr(e, "cause", None) or e)
-    kind, message = type(e).__name__, next(
-        (ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), repr(e))
-    for line in reversed(text.splitlines()):
-        if head.match(line):
-            kind, message = head.match(line).groups()
-            while (m := head.match(message)) and kind in ("ActorDiedError", "RayActorError", "RayTaskError"):
-                kind, message = m.groups()  # unwrap Ray's own layers
-            break
-    return kind, f"{kind}: {message.strip()}"
 
 
 def cut_links(plan: ChainPlan, successors: Mapping[str, str | None]) -> list[tuple[str, str]]:
@@ -126,8 +95,6 @@ class RelayGroup:
         """A relay joins the running chain at its tail (a node joined the cluster): started,
         its link from the old tail tried, then every relay gets the new plan. The old tail
         forwards it the newest version at once, so it catches up within one broadcast."""
-        from laminar.relay.plan import join
-
         self.node_ips[relay_id] = node_ip
         self.actors[relay_id] = start_relay_actor(relay_id, self.job, self.secret, self.cfg,
                                                   node_ip, **dict(options))
