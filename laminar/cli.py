@@ -1,7 +1,8 @@
 """laminar: train | resume | sft | bench | report | scale | status | cluster | simulate | doctor.
 
 Heavy imports (torch, transformers, ray) are deferred into the subcommands so that `--help`
-answers at once. User mistakes (`ConfigError`) print one clear message and exit 2, no traceback.
+answers at once: every `from laminar` import inside a function here is a sub-command's own.
+User mistakes (`ConfigError`) print one clear message and exit 2, no traceback.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def resume_config(run_dir: str, overrides: list[str]) -> Any:
 def checked(cfg: Any) -> Any:
     """The config, once its `device` keys resolve on this machine (laminar/devices.py): a
     `cuda` without CUDA is one ConfigError here, before any process starts."""
-    from laminar.devices import check_devices
+    from laminar.devices import check_devices  # torch
 
     check_devices(cfg)
     return cfg
@@ -193,26 +194,26 @@ def cluster_command(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["simulate"]:  # REMAINDER cannot take a leading --option; hand over as is
-        from laminar.sim.cli import main as simulate_main
+        from laminar.sim.cli import main as simulate_main  # a sub-command's own
 
         return simulate_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "train":
-            from laminar.modes import run_training
+        if args.command in ("train", "resume"):
+            from laminar.modes import run_training  # torch, ray: a sub-command's own
 
-            extra = [f"run_dir={args.resume}", "resume=true"] if args.resume else []
-            run_training(checked(load_config(args.config, [*args.overrides, *extra])))
-        elif args.command == "resume":
-            from laminar.modes import run_training
-
-            run_training(checked(resume_config(args.run_dir, args.overrides)))
+            if args.command == "resume":
+                cfg = resume_config(args.run_dir, args.overrides)
+            else:
+                extra = [f"run_dir={args.resume}", "resume=true"] if args.resume else []
+                cfg = load_config(args.config, [*args.overrides, *extra])
+            run_training(checked(cfg))
         elif args.command == "sft":
-            from laminar.trainer.sft import run_sft
+            from laminar.trainer.sft import run_sft  # torch, transformers
 
             run_sft(checked(load_config(args.config, args.overrides)))
         elif args.command == "doctor":
-            from laminar.doctor import main as doctor_main
+            from laminar.doctor import main as doctor_main  # a sub-command's own
 
             return doctor_main(as_json=args.json, start_ray=args.ray)
         elif args.command == "bench":
@@ -234,11 +235,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 module.main(quick=args.quick, out=args.out)
         elif args.command == "report":
-            from laminar.report import main as report_main
+            from laminar.report import main as report_main  # a sub-command's own
 
             report_main(args.run_dirs, out=args.out)
         elif args.command == "simulate":
-            from laminar.sim.cli import main as simulate_main
+            from laminar.sim.cli import main as simulate_main  # a sub-command's own
 
             return simulate_main(args.args)
         elif args.command == "cluster":

@@ -40,6 +40,8 @@ from typing import Any
 
 import yaml
 
+from laminar.provenance import command_line, provenance
+
 ROOT = Path("runs/bench-faults")
 LAMINAR = [sys.executable, "-m", "laminar.cli"]
 
@@ -288,8 +290,6 @@ def outcome(run_dir: Path, job: Job) -> dict[str, Any]:
 
 
 def main(quick: bool = False, out: str | None = None, seed: int = 0) -> dict[str, Any]:
-    from laminar.provenance import command_line, provenance
-
     workload = json.loads(json.dumps(WORKLOAD))
     k = 1 if quick else 2
     if quick:

@@ -26,12 +26,20 @@ import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from laminar.bench.relay_node import RelayProcess
+from laminar.config import LoraConfig, RelayConfig, TrainerConfig
+from laminar.engine.engine import Engine
+from laminar.engine.lora import LoraBase, _Merging, target_weight_names
+from laminar.engine.protocol import RolloutEngine, WeightTarget
+from laminar.models import build_preset
+from laminar.models.tokenizer import EOS_ID, PAD_ID
 from laminar.provenance import provenance, write_result
-
-if TYPE_CHECKING:
-    from laminar.engine.protocol import RolloutEngine, WeightTarget
+from laminar.relay.client import Puller, Pusher
+from laminar.relay.plan import RelayInfo, build_chain
+from laminar.trainer.actor import RelayPush
+from laminar.trainer.trainer import Trainer
 
 PRESET = "small"
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -46,12 +54,6 @@ def _build(lora: dict[str, Any] | None) -> tuple[Any, Any, dict[str, Any]]:
     """(trainer, rollout engine, the base's weights) of one variant; the engine holds the base,
     as a rollout does."""
     import torch
-
-    from laminar.config import LoraConfig, TrainerConfig
-    from laminar.engine.engine import Engine
-    from laminar.models import build_preset
-    from laminar.models.tokenizer import EOS_ID, PAD_ID
-    from laminar.trainer.trainer import Trainer
 
     cfg = TrainerConfig(lora=None if lora is None else LoraConfig(**lora))
     trainer = Trainer(build_preset(PRESET, seed=0), cfg, PAD_ID)
@@ -72,9 +74,6 @@ def _rollout_target(engine: RolloutEngine, w0: dict[str, Any], lora: dict[str, A
     the base's weights, as a rollout reads them from its model directory)."""
     if lora is None:
         return engine
-    from laminar.config import LoraConfig
-    from laminar.engine.lora import LoraBase, _Merging, target_weight_names
-
     class Timed(_Merging):
         """The rollout's merge, timing its W0 + B @ A part apart from the copy into the engine."""
 
@@ -95,12 +94,6 @@ def _rollout_target(engine: RolloutEngine, w0: dict[str, Any], lora: dict[str, A
 
 def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
     import torch
-
-    from laminar.bench.relay_node import RelayProcess
-    from laminar.config import RelayConfig
-    from laminar.relay.client import Puller, Pusher
-    from laminar.relay.plan import RelayInfo, build_chain
-    from laminar.trainer.actor import RelayPush
 
     torch.set_num_threads(1)  # the trainer's default share on a small machine; same for all
     rounds = 5 if quick else 20

@@ -39,9 +39,13 @@ from typing import Any
 
 import numpy as np
 
-from laminar.bench import learning
-from laminar.config import MODES, Config, load_config
+from laminar.bench import learning, trl
+from laminar.bench.cpu import CpuMeter
+from laminar.config import MODES, Config, ConfigError, load_config
 from laminar.metrics import read_metrics, read_rows
+from laminar.modes import run_training
+from laminar.provenance import provenance, versions
+from laminar.report import bench_html_path, write_bench_html
 
 # The workload, the same for every schedule. Lengths follow the reverse task's default long
 # tail (p99/p50 ~ 10); each trajectory also waits on an emulated tool call (log-normal latency).
@@ -159,9 +163,6 @@ def mode_steps(mode: str, steps: int) -> int:
 def run_mode(mode: str, steps: int, root: Path, overrides: list[str] = (),
              task: str = "reverse") -> dict[str, Any]:
     """One training run of `mode` (mode_steps of `steps`); everything the benchmark reports."""
-    from laminar.bench.cpu import CpuMeter
-    from laminar.modes import run_training
-
     steps = mode_steps(mode, steps)
     cfg = bench_config(mode, steps, root / mode, overrides, task)
     t0 = time.perf_counter()
@@ -189,8 +190,6 @@ def parse_modes(modes: str | None) -> list[str]:
     chosen = list(MODES) + ["trl"] if not modes else [m.strip() for m in modes.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in (*MODES, "trl")]
     if unknown or "laminar" not in chosen:
-        from laminar.config import ConfigError
-
         raise ConfigError(f"--modes {modes!r}: {'unknown ' + ', '.join(unknown) if unknown else 'no laminar'}; "
                           f"pick from {', '.join((*MODES, 'trl'))}, laminar included (ratios are "
                           "laminar / mode)")
@@ -281,9 +280,6 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
 
     import ray
 
-    from laminar.bench import trl
-    from laminar.provenance import provenance
-
     chosen = parse_modes(modes)
     overrides = list(overrides or [])
     prediction = read_prediction(predicted) if predicted else None  # before anything runs
@@ -292,8 +288,6 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
     repeats = repeats or (1 if quick else 3)
     control = (not quick and task == "reverse") if control is None else control
     if control and task != "reverse":
-        from laminar.config import ConfigError
-
         raise ConfigError(f"--task {task}: its environment latency is real, so there is no "
                           "env-latency-off control; drop the control option")
     with_trl = "trl" in chosen
@@ -346,7 +340,6 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=1))
         print(f"wrote {out}")
-        from laminar.report import bench_html_path, write_bench_html
 
         print(f"wrote {write_bench_html(report, bench_html_path(out))}")
     return report
@@ -355,8 +348,6 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
 def read_prediction(path: str) -> dict[str, float]:
     """`throughput_by_mode` of `laminar simulate --calibration LOCAL.json --out F`: the
     simulator's prediction for this machine, made before the benchmark runs."""
-    from laminar.config import ConfigError
-
     try:
         data = json.loads(Path(path).read_text())
         return {m: float(v) for m, v in data["throughput_by_mode"].items()}
@@ -376,9 +367,6 @@ def compare_prediction(predicted: dict[str, float], measured: dict[str, float],
 
 def run_trl_reference(root: Path, overrides: list[str], steps: int) -> dict[str, Any]:
     """TRL at its best here: each of its settings timed on a few steps, the fastest one run."""
-    from laminar.bench import trl
-    from laminar.provenance import versions
-
     cfg = bench_config("sync", steps, root / "trl", overrides)
     print(f"bench modes: timing TRL's {len(trl.SETTINGS)} settings ...", flush=True)
     best, speeds = trl.pick_fastest(cfg, root / "trl")

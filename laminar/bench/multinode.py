@@ -38,7 +38,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from laminar.actor import alive_nodes, pin
+from laminar.bench.modes import WARMUP_STEPS, WORKLOAD, throughput
+from laminar.bench.relay_node import BenchRelay
+from laminar.config import RelayConfig
+from laminar.models.builder import build_preset
 from laminar.provenance import provenance
+from laminar.relay.client import Pusher
+from laminar.relay.plan import ChainPlan, RelayInfo
+from laminar.runtime.nscluster import NamespacedCluster
 
 NODES = 5  # head + 4 workers
 LINK_MBIT = 1000.0
@@ -46,8 +54,6 @@ MB = 1_000_000
 
 
 def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
-    from laminar.runtime.nscluster import NamespacedCluster
-
     ok, why = NamespacedCluster.available()
     report: dict[str, Any] = {"benchmark": "multinode", "nodes": NODES, "link_mbit": LINK_MBIT,
                               "quick": quick, **provenance()}
@@ -126,8 +132,6 @@ def print_table(r: dict[str, Any]) -> None:
 
 
 def _training(c: Any, quick: bool) -> dict[str, Any]:
-    from laminar.bench.modes import WARMUP_STEPS, WORKLOAD, throughput
-
     steps = 12 if quick else 30
     out: dict[str, Any] = {"tokens_per_s": {}, "train_steps": steps, "train_runs": {}}
     workload = [o for o in WORKLOAD if not o.startswith(("cluster.virtual_nodes", "rollout.num_workers",
@@ -163,13 +167,6 @@ def _training(c: Any, quick: bool) -> dict[str, Any]:
 def _broadcast(spec: dict[str, Any]) -> dict[str, Any]:
     import ray
     import torch
-
-    from laminar.bench.relay_node import BenchRelay
-    from laminar.config import RelayConfig
-    from laminar.models.builder import build_preset
-    from laminar.relay.client import Pusher
-    from laminar.relay.plan import ChainPlan, RelayInfo
-    from laminar.actor import alive_nodes, pin
 
     ray.init(address=spec["address"], include_dashboard=False, logging_level="ERROR",
              log_to_driver=False)

@@ -54,8 +54,23 @@ from typing import Any
 import numpy as np
 import ray
 
+from laminar.bench.cpu import CpuMeter
 from laminar.bench.modes import WORKLOAD, throughput
 from laminar.config import Config, load_config
+from laminar.engine.knee import cached_knee
+from laminar.manager.actor import RayFleet, RayManagerPools
+from laminar.manager.manager import RolloutManager
+from laminar.metrics import read_metrics
+from laminar.modes import schedule
+from laminar.modes.common import start_weights
+from laminar.modes.driver import Follower, finish
+from laminar.provenance import provenance
+from laminar.runtime import open_runtime
+from laminar.sim import costs
+from laminar.sim.calibration import Calibration
+from laminar.sim.local import fit_decode, local_setup
+from laminar.sim.report import repack_ablation
+from laminar.sim.schedules import laminar as laminar_schedule
 
 REPACK_WORKLOAD = WORKLOAD + [
     "mode=laminar", "rollout.num_workers=4", "cluster.virtual_nodes=2",
@@ -129,13 +144,6 @@ def window_rates(samples: list[tuple[float, dict[str, tuple[int, float, int, boo
 def run_once(cfg: Config) -> dict[str, Any]:
     """One laminar-mode training run (the schedule's driver, `laminar.modes.laminar.run`, with
     a snapshot sampler beside it); everything the benchmark reports."""
-    from laminar.bench.cpu import CpuMeter
-    from laminar.metrics import read_metrics
-    from laminar.modes import schedule
-    from laminar.modes.common import start_weights
-    from laminar.modes.driver import Follower, finish
-    from laminar.runtime import open_runtime
-
     model_dir, version = start_weights(cfg)
     load_before = os.getloadavg()
     t_start = time.perf_counter()
@@ -239,12 +247,6 @@ def move_cost(overrides: list[str], moves: int, root: Path) -> dict[str, Any]:
     moves a decoding rollout's trajectories to a same-version peer `moves` times. Per move:
     the manager's wall time (export, adopt, pool reassign, release), the trajectories moved,
     and the destinations' re-prefill tokens and seconds (engine counters, summed at the end)."""
-    from laminar.manager.actor import RayFleet, RayManagerPools
-    from laminar.manager.manager import RolloutManager
-    from laminar.modes import schedule
-    from laminar.modes.common import start_weights
-    from laminar.runtime import open_runtime
-
     cfg = load_config(None, REPACK_WORKLOAD + list(overrides) + [
         "manager.repack=false", "rollout.max_outstanding_batches=1000", f"run_dir={root}",
         "name=bench-repack-moves"])
@@ -294,12 +296,6 @@ def simulate(curve_ms: dict[str, float], check_s: float, quick: bool) -> dict[st
     workload's shape: docs/results/sim-local-calibration.json's measured trainer and lengths
     with 4 rollouts, a repack check every `check_s`) and the paper's Table 1 setting (32B @ 128
     GPUs, the Fig. 4 curve, a check every 5 s)."""
-    from laminar.sim import costs
-    from laminar.sim.calibration import Calibration
-    from laminar.sim.local import fit_decode, local_setup
-    from laminar.sim.report import repack_ablation
-    from laminar.sim.schedules import laminar as laminar_schedule
-
     root = Path(__file__).resolve().parents[2]
     cal, local = Calibration.from_json(root / "docs/results/sim-local-calibration.json")
     cal = cal.with_overrides(repack_check_s=check_s)  # manager.interval_s, not the paper's 5 s
@@ -327,9 +323,6 @@ def simulate(curve_ms: dict[str, float], check_s: float, quick: bool) -> dict[st
 
 def main(quick: bool = False, out: str | None = None, repeats: int | None = None,
          steps: int | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
-    from laminar.provenance import provenance
-    from laminar.engine.knee import cached_knee
-
     overrides = list(overrides or [])
     steps = steps or (QUICK_STEPS if quick else STEPS)
     repeats = repeats or (QUICK_REPEATS if quick else REPEATS)

@@ -39,7 +39,18 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from laminar.bench.relay_node import RelayProcess
+from laminar.config import RelayConfig, TrainerConfig
+from laminar.models import build_preset
+from laminar.models.tokenizer import PAD_ID
 from laminar.provenance import provenance, write_result
+from laminar.relay.client import Pusher
+from laminar.relay.plan import RelayInfo, build_chain
+from laminar.trainer.actor import RelayPush
+from laminar.trainer.ranks import follow, spawn_ranks
+from laminar.trainer.shards import push_from_shards
+from laminar.trainer.trainer import Trainer
+from laminar.types import Trajectory
 
 GROUPS, GROUP_SIZE = 32, 8
 TARGETS = {"param_optim_mem_ratio_max": 0.6, "push_stall_ratio_max": 1.2, "throughput_ratio_min": 0.85}
@@ -48,8 +59,6 @@ TARGETS = {"param_optim_mem_ratio_max": 0.6, "push_stall_ratio_max": 1.2, "throu
 def workload(seed: int) -> list[Any]:
     """One global batch: reverse-task-like groups (prompt = BOS + L characters, response = L
     characters + EOS; L log-normal, median 16, clipped to 2..64)."""
-    from laminar.types import Trajectory
-
     rng = random.Random(seed)
     out = []
     for g in range(GROUPS):
@@ -84,22 +93,11 @@ def _run(ranks: Any, sharding: str, steps: int, pushes: int, first_version: int,
     push `pushes` times (each way at two ranks); rank 0 returns the measurements."""
     import torch
 
-    from laminar.config import TrainerConfig
-    from laminar.models import build_preset
-    from laminar.models.tokenizer import PAD_ID
-    from laminar.trainer.ranks import follow
-    from laminar.trainer.trainer import Trainer
-
     torch.manual_seed(0)
     trainer = Trainer(build_preset("small", seed=0), TrainerConfig(lr=1e-4, sharding=sharding),
                       pad_token_id=PAD_ID, ranks=ranks)
     if ranks is not None and not ranks.is_leader:
         return follow(trainer, ranks)
-    from laminar.relay.client import Pusher
-    from laminar.relay.plan import RelayInfo, build_chain
-    from laminar.trainer.actor import RelayPush
-    from laminar.trainer.shards import push_from_shards
-
     losses, times, tokens = [], [], []
     for seed in range(steps + 1):
         batch = workload(seed)
@@ -130,10 +128,6 @@ def _median(values: list[float]) -> float:
 
 def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
     from dataclasses import asdict
-
-    from laminar.bench.relay_node import RelayProcess
-    from laminar.config import RelayConfig
-    from laminar.trainer.ranks import spawn_ranks
 
     cores = os.cpu_count() or 1
     steps, repeats, pushes = (3, 1, 5) if quick else (8, 3, 40)

@@ -31,6 +31,12 @@ from typing import Any
 
 import numpy as np
 
+from laminar.engine.hf import HFEngine
+from laminar.models import load_pretrained
+from laminar.tasks import build_task
+from laminar.tasks.evaluate import evaluate
+from laminar.trainer.sft import run_sft
+
 SETTINGS: dict[str, dict[str, Any]] = {
     "defaults": {},  # TRL's gradient_checkpointing default (True) and plain generate
     "no_checkpointing": {"gradient_checkpointing": False},
@@ -71,10 +77,6 @@ def run_trl(cfg: Any, steps: int, out_dir: Path, setting: str = "no_checkpointin
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from laminar.models import load_pretrained
-    from laminar.tasks import build_task
-    from laminar.trainer.sft import run_sft
-
     torch.set_num_threads(2)  # one process: TRL gets both cores
     model, tokenizer = load_pretrained(run_sft(cfg))
     task = build_task(cfg.task)
@@ -111,9 +113,6 @@ def run_trl(cfg: Any, steps: int, out_dir: Path, setting: str = "no_checkpointin
 
 
 def _greedy_exact_match(model: Any, tokenizer: Any, task: Any, cfg: Any) -> float:
-    from laminar.engine.hf import HFEngine
-    from laminar.tasks.evaluate import evaluate
-
     model.eval()
     engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_batch_size=128)
     return evaluate(engine, tokenizer, task, cfg.rollout.max_new_tokens)["eval_exact_match"]

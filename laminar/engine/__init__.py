@@ -8,18 +8,14 @@ The engines (torch) are imported when first used, not with the package, so that 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from laminar.config import EngineConfig
-
-if TYPE_CHECKING:
-    from laminar.engine.engine import Engine
-    from laminar.engine.hf import HFEngine
-    from laminar.engine.vllm_engine import VLLMEngine
+from laminar.engine.protocol import RolloutEngine
 
 
 def build_engine(cfg: EngineConfig, model, eos_token_id: int, pad_token_id: int, version: int = 0,
-                 seed: int = 0) -> Engine | HFEngine | VLLMEngine:
+                 seed: int = 0) -> RolloutEngine:
     if cfg.backend == "vllm":
         from laminar.engine.vllm_engine import VLLMEngine  # vllm (a ConfigError when missing)
 
@@ -39,15 +35,15 @@ def build_engine(cfg: EngineConfig, model, eos_token_id: int, pad_token_id: int,
 
 def __getattr__(name: str) -> Any:
     if name == "Engine":
-        from laminar.engine.engine import Engine
+        from laminar.engine.engine import Engine  # torch
 
         return Engine
     if name == "HFEngine":
-        from laminar.engine.hf import HFEngine
+        from laminar.engine.hf import HFEngine  # torch, transformers
 
         return HFEngine
     if name == "VLLMEngine":
-        from laminar.engine.vllm_engine import VLLMEngine
+        from laminar.engine.vllm_engine import VLLMEngine  # vllm
 
         return VLLMEngine
     raise AttributeError(f"module 'laminar.engine' has no attribute {name!r}")

@@ -39,6 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from laminar.provenance import cpu_model
+from laminar.types import GenerationRequest, SamplingParams
+
 KNEE_FACTOR = 2.0
 BATCHES = tuple(2 ** k for k in range(9))  # 1 .. 256
 STEPS = 16  # timed decode steps per batch size and round
@@ -68,8 +71,7 @@ def decode_curve(model: Any, batches: tuple[int, ...] = BATCHES, steps: int = ST
     the median of `steps` steps, in `rounds` rounds over all batch sizes, the lowest round
     kept (a round that another process's burst slowed is dropped). Contexts start at 12
     prompt tokens and grow by one per step."""
-    from laminar.engine.engine import Engine
-    from laminar.types import GenerationRequest, SamplingParams
+    from laminar.engine.engine import Engine  # torch: only the measuring child process loads it
 
     no_eos = model.config.vocab_size  # never sampled: every row decodes through the timing
     budget = rounds * steps + 8
@@ -108,8 +110,6 @@ def model_key(preset: str, path: str | None) -> str:
 
 def cpu_name() -> str:
     """The CPU's model name (one definition: the benchmarks' provenance records the same)."""
-    from laminar.provenance import cpu_model
-
     return cpu_model()
 
 
@@ -137,7 +137,7 @@ def cached_knee(preset: str, path: str | None, threads: int, cache_dir: Path = C
 def measure(preset: str, path: str | None, threads: int) -> dict[str, Any]:
     import torch
 
-    from laminar.models import build_preset, load_pretrained
+    from laminar.models import build_preset, load_pretrained  # torch, transformers
 
     torch.set_num_threads(threads)
     model = (load_pretrained(path)[0] if path else build_preset(preset)).eval()

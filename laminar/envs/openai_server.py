@@ -35,6 +35,10 @@ from typing import Any
 
 import h11
 
+from laminar.config import ConfigError
+from laminar.envs.episode import _RUNNER
+from laminar.relay.address import AddressError, local_interfaces, resolve_host
+
 log = logging.getLogger("laminar.envs")
 
 MODEL = "laminar"  # the id /v1/models lists; requests may name any model (the policy answers)
@@ -255,8 +259,6 @@ async def _start(port: int, moved: bool) -> Server:
 def serve(host: str, port: int, secret: str | None, runner: Any, timeout_s: float = 30.0) -> Server:
     """Configure this process's endpoint and start it on `runner` (an EnvRunner) now, so a port
     that cannot be bound fails the rollout at its start. Returns the server (its `url`)."""
-    from laminar.config import ConfigError
-
     configure(host, port, secret)
     try:
         return runner.submit(_restart()).result(timeout=timeout_s)
@@ -270,10 +272,6 @@ def serve_rollout(cfg: Any, rollout_id: str) -> Server:
     """A rollout's endpoint as `rollout.openai_*` say, started on the process's environment
     thread; prints where it listens. `openai_host` takes relay.host's forms (laminar/relay/
     address.py: an address, an interface name, a CIDR, 0.0.0.0), resolved on this node."""
-    from laminar.config import ConfigError
-    from laminar.envs.episode import _RUNNER
-    from laminar.relay.address import AddressError, local_interfaces, resolve_host
-
     try:
         host, _ = resolve_host(cfg.rollout.openai_host, None, local_interfaces())
     except AddressError as e:

@@ -44,6 +44,7 @@ import time
 from typing import Any, Protocol
 
 from laminar.config import Config
+from laminar.engine.knee import cached_knee
 from laminar.manager.health import assign_unfinished, incarnation, overdue, recreate_on, repoint
 from laminar.manager.repack import KvSample, idle_loads, is_post_update, kv_phase, plan_repack
 from laminar.pools.partials import PartialEntry
@@ -118,8 +119,6 @@ def batch_bound(cfg: Config) -> int:
                  limit, cfg.rollout.engine.backend)
         return limit
     if bound is None:
-        from laminar.engine.knee import cached_knee
-
         bound = cached_knee(cfg.model.preset, cfg.model.path, cfg.rollout.threads)["knee"]
         log.info("manager.batch_bound: %d, the knee of this machine's decode curve", bound)
     return min(bound, limit)

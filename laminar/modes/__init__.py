@@ -13,6 +13,9 @@ import importlib
 from typing import Any
 
 from laminar.config import MODES, Config
+from laminar.runtime import open_runtime
+from laminar.sinks import check_backends
+from laminar.tasks.dataset import load_dataset
 
 __all__ = ["MODES", "run_training", "schedule"]
 
@@ -25,9 +28,7 @@ def schedule(mode: str) -> Any:
 
 
 def run_training(cfg: Config) -> dict[str, Any]:
-    from laminar.modes.common import start_weights
-    from laminar.runtime import open_runtime
-    from laminar.sinks import check_backends
+    from laminar.modes.common import start_weights  # torch (the warm start): policies unpickle light
 
     check_backends(cfg.metrics)  # a missing wandb / mlflow fails now, not after the warm start
     if cfg.task.name == "dataset" and cfg.cluster.backend == "ray":
@@ -40,7 +41,5 @@ def run_training(cfg: Config) -> dict[str, Any]:
 
 def report_dataset(cfg: Config) -> None:
     """One line on the console: the rows of `task.dataset` used and those skipped, by reason."""
-    from laminar.tasks.dataset import load_dataset
-
     _, report = load_dataset(cfg.task.dataset)
     print(report.summary(), flush=True)

@@ -34,7 +34,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from laminar.pools.store import Store
+from laminar.config import ConfigError
+from laminar.metrics import set_aside
+from laminar.pools.store import SqliteStore, Store
+from laminar.relay.relay import segment_prefix
+from laminar.types import Unfinished
 
 RESUMED = "resumed"  # owner of the killed job's unfinished work until a live rollout takes it
 
@@ -216,9 +220,6 @@ def prepare_pools(cfg: Any, checkpoint_version: int | None, rollout_version: int
     """Where the pools of this run live (None: in memory) and, when resuming, what the
     reconciliation did. A fresh run sets an earlier run's pools, checkpoints and published
     version aside (name.<time>), so nothing of it is resumed or restarted from by mistake."""
-    from laminar.metrics import set_aside
-    from laminar.pools.store import SqliteStore
-
     run_dir = cfg.resolved_run_dir
     path = run_dir / "pools.db"
     if not cfg.resume:
@@ -251,9 +252,7 @@ def _stamp(path: Path) -> str:
 def check_resumable(cfg: Any) -> None:
     """Before anything starts: the run directory has what a resume needs, readable, or a
     ConfigError says what is wrong and what to do (no traceback from deep in a component)."""
-    from laminar.config import ConfigError
-    from laminar.pools.store import SqliteStore
-    from laminar.trainer.service import newest_checkpoint
+    from laminar.trainer.service import newest_checkpoint  # torch, transformers: pools stay free of both
 
     run_dir = cfg.resolved_run_dir
     if not run_dir.is_dir():
@@ -316,8 +315,6 @@ def deal_resumed(entries: list[Any], ids: list[str], started: bool | None = None
     """The killed job's in-flight trajectories (partial-pool entries owned by `RESUMED`), dealt
     out evenly over the rollouts `ids` as `Unfinished` moves; `started`: only those with (True)
     or without (False) streamed tokens."""
-    from laminar.types import Unfinished
-
     if started is not None:
         entries = [e for e in entries if bool(e.request.output_ids) == started]
     return {wid: [Unfinished(e.request, e.group) for e in entries[i::len(ids)]]
@@ -329,9 +326,6 @@ def claim_run_dir(run_dir: Path, job: str, shm_dir: str) -> None:
     removed its relays' shared memory: the next job in the directory does. A directory whose
     job's driver still runs is refused."""
     import os
-
-    from laminar.config import ConfigError
-    from laminar.relay.relay import segment_prefix
 
     path = run_dir / "job.json"
     if path.exists():

@@ -29,24 +29,23 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from laminar.config import RelayConfig
 from laminar.devices import StagingBuffer, load_into_module
-from laminar.relay.chain import Inbox, feed_version, request
+from laminar.engine.protocol import WeightTarget
 from laminar.relay.address import node_id
+from laminar.relay.chain import Inbox, feed_version, request
 from laminar.relay.pack import prepare_version, write_version
 from laminar.relay.plan import ChainPlan, RelayInfo, choose_master
 from laminar.relay.reader import ShmReader, Snapshot
 from laminar.relay.store import WeightStore
-from laminar.relay.transport import ROLE_CONTROL, ROLE_FEED, Link, LinkError, connect, make_transport
+from laminar.relay.transport import (ROLE_CONTROL, ROLE_FEED, Link, LinkError, connect,
+                                     make_transport)
 from laminar.relay.version import VersionHeader, write_header
-
-if TYPE_CHECKING:
-    from laminar.engine.protocol import WeightTarget
 
 
 class _SlotWriter:

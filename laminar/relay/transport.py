@@ -23,10 +23,8 @@ import struct
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from laminar.relay.store import VersionBuffer
+from laminar.relay.store import VersionBuffer
 
 log = logging.getLogger("laminar.relay")
 

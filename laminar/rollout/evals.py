@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from laminar.engine.protocol import EngineFactory, RolloutEngine
+from laminar.envs.episode import step_episodes
 from laminar.models.tokenizer import decode_response, encode_prompt
 from laminar.rollout.io import WeightSource
 from laminar.tasks.rewards import exact_match
@@ -94,8 +95,6 @@ class Evaluator:
         return True
 
     def _step_episodes(self) -> None:
-        from laminar.envs.episode import step_episodes
-
         _, ended = step_episodes(self.engine, self.episodes)
         for e in ended:
             if e.request.request_id in self.requests:

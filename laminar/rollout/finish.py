@@ -41,7 +41,7 @@ from laminar.envs.episode import Episodes
 from laminar.metrics import evenly
 from laminar.models.tokenizer import decode_response
 from laminar.tasks import Task
-from laminar.tasks.reward_pool import InlineRewards, RewardCall, RewardPool
+from laminar.tasks.reward_pool import InlineRewards, RewardCall, RewardPool, open_rewards
 from laminar.tasks.rewards import exact_match
 from laminar.types import GenerationRequest, PromptGroup, Trajectory
 
@@ -167,8 +167,6 @@ class Finisher:
 def make_finisher(cfg: Config, task: Task, tokenizer: PreTrainedTokenizerBase,
                   seed: int) -> Finisher:
     """The finisher of a rollout: reward workers for one-turn tasks, episodes for multi-turn."""
-    from laminar.tasks.reward_pool import open_rewards
-
     return Finisher(task, tokenizer, cfg.rollout.env_latency, seed, open_rewards(cfg.task),
                     make_episodes(cfg, task, tokenizer))
 

@@ -23,6 +23,8 @@ from laminar.engine.protocol import WeightTarget
 from laminar.pools.experience import ExperienceBuffer
 from laminar.pools.partials import PartialPool, TokenUpdate
 from laminar.pools.prompts import PromptPool
+from laminar.relay.client import Puller
+from laminar.relay.plan import RelayInfo
 from laminar.types import GenerationRequest, PromptGroup, Trajectory
 
 Registration = tuple[PromptGroup, list[GenerationRequest]]
@@ -170,9 +172,6 @@ class RelayWeights:
     """The relay on this rollout's node, read through shared memory (no RPC, no Ray)."""
 
     def __init__(self, relay: dict[str, Any], cfg: Any) -> None:
-        from laminar.relay.client import Puller
-        from laminar.relay.plan import RelayInfo
-
         self.puller = Puller(RelayInfo.from_dict(relay), cfg)
 
     def newest(self) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from laminar.envs.episode import Episodes, run_episodes
 from laminar.models.tokenizer import decode_response, encode_prompt
 from laminar.tasks import Task
 from laminar.types import GenerationRequest, PromptGroup, SamplingParams
@@ -19,8 +20,6 @@ def evaluate(engine: Generator, tokenizer, task: Task, max_new_tokens: int, max_
     """Mean reward and exact-match rate of greedy decoding on `task.eval`."""
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     if task.multi_turn:
-        from laminar.envs.episode import Episodes, run_episodes
-
         episodes = Episodes(task, tokenizer, max_turns, timeout_s)
         ended = run_episodes(engine, episodes, [
             (GenerationRequest(f"eval-{i}", [], params), PromptGroup(f"eval-{i}", item, [], 1))

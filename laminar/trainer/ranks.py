@@ -37,6 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from laminar.config import ConfigError
+from laminar.devices import resolve_device
+from laminar.relay.address import local_interfaces
 from laminar.trainer.batching import token_budget_batches
 
 
@@ -68,8 +71,6 @@ class Ranks:
         `cuda`) the group is nccl, on the CPU gloo. `node_ip`: this node's cluster address; the
         group's connections use the interface that holds it."""
         from torch.distributed.device_mesh import init_device_mesh
-
-        from laminar.devices import resolve_device
 
         cuda = resolve_device(device, "trainer.device").type == "cuda"  # before any waiting
         if node_ip:
@@ -133,8 +134,6 @@ def use_interface_of(ip: str) -> None:
     """gloo and nccl advertise the address of the interface named by GLOO_SOCKET_IFNAME /
     NCCL_SOCKET_IFNAME, else whatever the hostname resolves to (often loopback, which a rank on
     another node cannot reach): name the interface holding `ip`, unless the user did."""
-    from laminar.relay.address import local_interfaces
-
     name = next((n for n, addresses in local_interfaces().items() if ip in addresses), None)
     if name is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
@@ -159,8 +158,6 @@ def shard(model: torch.nn.Module, ranks: Ranks, sharding: str, frozen: bool = Fa
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # torch < 2.6
-        from laminar.config import ConfigError
-
         raise ConfigError(f"trainer.sharding={sharding} uses FSDP2 (torch.distributed.fsdp."
                           f"fully_shard), which torch {torch.__version__} lacks: install torch "
                           ">= 2.6, or set trainer.sharding=none (DDP)") from None

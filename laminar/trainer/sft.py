@@ -26,7 +26,7 @@ from laminar.config import Config, EngineConfig
 from laminar.engine import build_engine
 from laminar.envs.template import TurnTemplate
 from laminar.models import EOS_ID, encode_prompt, load_policy, save_pretrained
-from laminar.tasks import build_task
+from laminar.tasks import build_task, calc
 from laminar.tasks.evaluate import evaluate
 from laminar.trainer.batching import token_budget_batches
 
@@ -83,8 +83,6 @@ def task_format(cfg: Config) -> str | None:
     calc task's prompt, program and observation formats), so a format change retrains; None for
     prompt + answer examples."""
     if cfg.task.name == "calc" and cfg.task.env is None:
-        from laminar.tasks import calc
-
         return calc.FORMAT
     return None
 

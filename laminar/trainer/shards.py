@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from laminar.relay.relay import node_id
 from laminar.relay.version import VersionHeader, checksums, layout
 
 _MAPS: dict[str, tuple[int, mmap.mmap]] = {}  # this process's slot mappings, kept across pushes
@@ -52,8 +53,6 @@ def push_from_shards(trainer: Any, sink: Any, version: int, chunk_bytes: int,
         chosen = method
         if chosen is None:  # asked once per directory (the master's or a staging store's)
             if str(path.parent) not in _TOGETHER:
-                from laminar.relay.relay import node_id
-
                 here = node_id(path.parent)
                 seen = ranks.call_all(trainer, _same_machine, str(path.parent), here)
                 _TOGETHER[str(path.parent)] = all(seen)
@@ -166,6 +165,4 @@ def _data(path: str, header: VersionHeader) -> memoryview:
 
 def _same_machine(trainer: Any, directory: str, machine: str) -> bool:
     """Does this rank see the shared memory rank 0 sees (so it can map rank 0's slot)?"""
-    from laminar.relay.relay import node_id
-
     return node_id(directory) == machine
