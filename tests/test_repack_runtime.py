@@ -91,12 +91,12 @@ def test_batch_bound_is_the_setting_or_the_cached_knee_under_the_engine_batch(tm
 def test_another_backends_batch_bound_is_its_scheduler_limit_not_the_native_knee(monkeypatch):
     """The knee is a measurement of the native engine; a vLLM rollout decodes up to its own
     max_batch_size, so B is that (unless manager.batch_bound says otherwise)."""
-    import laminar.engine.knee
+    import laminar.manager.manager
 
     def no_knee(*_a, **_k):
         raise AssertionError("the native engine's knee was read for another backend")
 
-    monkeypatch.setattr(laminar.engine.knee, "cached_knee", no_knee)
+    monkeypatch.setattr(laminar.manager.manager, "cached_knee", no_knee)
     cfg = load_config(None, ["rollout.engine.max_batch_size=48"])
     cfg.rollout.engine = cfg.rollout.engine.model_copy(update={"backend": "vllm"})
     assert batch_bound(cfg) == 48
