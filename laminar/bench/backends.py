@@ -74,6 +74,8 @@ def load_s_per_mb(engine: RolloutEngine | torch.nn.Module, named: dict[str, torc
             engine.load_state_dict(named)
         else:
             engine.load_weights(named, engine.version + 1)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # a copy to the GPU returns before it lands
         times.append(time.perf_counter() - start)
     return statistics.median(times) / megabytes
 
@@ -129,14 +131,15 @@ def bench_model(preset: str, seed: int = 0) -> torch.nn.Module:
 
 
 def bench_backends(model, preset: str, workload, repeats: int, no_eos: int,
-                   native_s: float) -> dict:
+                   native_s: float, device: str = "cpu") -> dict:
     """The `backends` table: native and vLLM tokens/s and weight-load times, one workload."""
     total = sum(n for _, n in workload)
     other = {k: v.clone() for k, v in bench_model(preset, seed=1).state_dict().items()}
-    native = Engine(bench_model(preset).eval(), no_eos, PAD_ID, max_batch_size=MAX_BATCH_SIZE)
+    native = Engine(bench_model(preset).eval().to(device), no_eos, PAD_ID,
+                    max_batch_size=MAX_BATCH_SIZE)
     backends = {"native": dict(tokens_per_s=total / native_s,
                                load_s_per_mb=load_s_per_mb(native, other))}
-    baseline = load_s_per_mb(bench_model(preset), other)
+    baseline = load_s_per_mb(bench_model(preset).to(device), other)
     vllm = bench_vllm(model, preset, workload, repeats, no_eos, other)
     backends["vllm"] = dict(tokens_per_s=total / vllm["seconds"],
                             load_s_per_mb=vllm["load_s_per_mb"], start_s=vllm["start_s"])

@@ -57,6 +57,7 @@ from laminar.bench.backends import (MAX_BATCH_SIZE, bench_backends, bench_model,
                                     make_requests, run_engine)
 from laminar.bench.provenance import provenance
 from laminar.config import ConfigError, ReverseTaskConfig
+from laminar.devices import resolve_device
 from laminar.engine import Engine, HFEngine
 from laminar.engine import knee as engine_knee
 from laminar.models import PAD_ID, build_char_tokenizer, build_preset, encode_prompt
@@ -155,8 +156,8 @@ def _latency_prompt(i: int) -> list[int]:
 
 
 def bench_preset(preset: str, num_requests: int, repeats: int, latency_steps: int,
-                 backends: tuple[str, ...] = ("native",)) -> dict:
-    model = bench_model(preset).eval()
+                 backends: tuple[str, ...] = ("native",), device: str = "cpu") -> dict:
+    model = bench_model(preset).eval().to(device)
     no_eos = model.config.vocab_size  # never sampled: every request runs to its drawn length
     workload = build_workload(num_requests)
     lengths = [num_new for _, num_new in workload]
@@ -183,7 +184,7 @@ def bench_preset(preset: str, num_requests: int, repeats: int, latency_steps: in
     padding = attention_padding(model, workload, MAX_BATCH_SIZE, no_eos)
     ratio = static_s / native_s
     ideal = static_steps / ideal_steps
-    versus = (bench_backends(model, preset, workload, repeats, no_eos, native_s)
+    versus = (bench_backends(model, preset, workload, repeats, no_eos, native_s, device)
               if "vllm" in backends else {})
     return dict(
         preset=preset, num_requests=num_requests, max_batch_size=MAX_BATCH_SIZE,
@@ -252,8 +253,11 @@ def print_report(results: list[dict]) -> None:
 
 
 def main(quick: bool = False, out: str | None = None, backends: str = "native",
-         model: str | None = None) -> dict:
-    """`model`: a model directory measured instead of the presets (no knee cache written)."""
+         model: str | None = None, device: str = "cpu") -> dict:
+    """`model`: a model directory measured instead of the presets (no knee cache written).
+    `device`: where the native and static engines run (`cuda` on a GPU machine; vLLM picks its
+    own); the knee cache is written for the CPU only (the rollout manager reads it there)."""
+    device = str(resolve_device(device, "--device"))
     if model is not None and not Path(model).is_dir():
         raise ConfigError(f"--model {model!r} is not a directory; pass a Hugging Face model "
                           "directory (config.json + safetensors), or leave it out for the presets")
@@ -268,7 +272,7 @@ def main(quick: bool = False, out: str | None = None, backends: str = "native",
         raise ConfigError(f"--backend {backends!r}: expected 'native' or 'native,vllm' (native is "
                           "the reference every backend is compared with)")
     try:
-        results = [bench_preset(preset, **sizes, backends=names) for preset in presets]
+        results = [bench_preset(preset, **sizes, backends=names, device=device) for preset in presets]
     finally:
         torch.set_num_threads(threads)
     print_report(results)
@@ -276,11 +280,11 @@ def main(quick: bool = False, out: str | None = None, backends: str = "native",
     load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     print(f"load average (1 min) before/after: {load[0]} / {load[1]} on {os.cpu_count()} CPUs")
     config = {"quick": quick, "presets": list(presets), **sizes, "threads": THREADS,
-              "backends": list(names),
+              "backends": list(names), "device": device,
               "max_batch_size": MAX_BATCH_SIZE, "batch_sizes": list(BATCH_SIZES)}
     report = {**results[0], "threads": THREADS, "load_average_before_after": load,
               "presets": {r["preset"]: r for r in results}, "provenance": provenance(config)}
-    for r in results if model is None else []:  # manager.batch_bound's default from now on
+    for r in results if model is None and device == "cpu" else []:  # manager.batch_bound's default
         _write_knee(r, load)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
