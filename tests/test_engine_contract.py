@@ -150,6 +150,24 @@ def test_greedy_equals_transformers(pair, reference):
         assert r.output_ids == hf_greedy(reference["A"], prompt, GREEDY.max_new_tokens), r.request_id
 
 
+def test_closing_an_engine_leaves_the_others_of_the_process_working(pair, reference):
+    """A rollout process holds several engines (its own, its evaluator's, a probe's); closing
+    one must not break the others (vLLM's shutdown tears down process-wide state)."""
+    engine = pair.get(0)
+    busy = GenerationRequest("open", make_prompts(1, seed=7)[0], GREEDY)
+    engine.add(busy)
+    engine.step()  # one request mid-generation across the close
+    other = build_engine(pair.cfg, weights(3), EOS_ID, PAD_ID)
+    other.generate(requests(make_prompts(2, seed=8), prefix="other"))
+    other.close()
+    while engine.has_unfinished():
+        engine.step()
+    assert busy.output_ids == hf_greedy(reference["A"], busy.prompt_ids, GREEDY.max_new_tokens)
+    prompts = make_prompts(2, seed=9)
+    for prompt, r in zip(prompts, engine.generate(requests(prompts, prefix="after"))):
+        assert r.output_ids == hf_greedy(reference["A"], prompt, GREEDY.max_new_tokens)
+
+
 def test_load_weights_in_place(pair, reference):
     engine = pair.get(0)
     start = engine.version
