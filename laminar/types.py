@@ -15,7 +15,16 @@ from laminar.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
+
+# The schedules, one file each in laminar/modes/ and laminar/sim/schedules/ (DESIGN.md §6), in
+# the order reports list them. `laminar.config` checks `mode` against the same names.
+Mode = Literal["laminar", "sync", "one_step", "stream", "partial"]
+MODES: tuple[str, ...] = get_args(Mode)
+GLOBAL_BATCH_MODES = ("sync", "one_step", "stream")  # those whose waits come one at a time
+# The built-in tasks (laminar/tasks/, `task.name`); `laminar.config` checks against the same names.
+TaskName = Literal["reverse", "dataset", "calc", "reasoning_gym", "humaneval"]
+TASKS: tuple[str, ...] = get_args(TaskName)
 
 FinishReason = Literal["eos", "stop", "length"]
 
