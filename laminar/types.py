@@ -3,7 +3,7 @@
 Map of the data path and the type each hop carries:
 
     PromptPool --PromptGroup--> RolloutLoop --GenerationRequest--> Engine
-    Engine --TokenDelta--> RolloutLoop --TokenUpdate--> PartialPool
+    Engine --TokenDelta--> RolloutLoop --TokenDelta (with versions)--> PartialPool
     RolloutLoop --Trajectory--> ExperienceBuffer --list[Trajectory] groups--> Trainer
     Trainer --named tensors + version--> relays --> RolloutLoop (engine.load_weights)
     RolloutLoop --RolloutSnapshot--> RolloutManager --Moved--> RolloutLoop (repack, failover)
@@ -76,12 +76,15 @@ class GenerationRequest:
 
 @dataclass(slots=True)
 class TokenDelta:
-    """What one engine step produced for one request."""
+    """New tokens of one sequence: what one engine step produced for a request, or what a
+    rollout streams to the partial pool (every token since its last update, with versions)."""
 
-    request_id: str
-    token_ids: list[int]  # new tokens this step (usually one)
+    request_id: str  # the trajectory id (a rollout's request id is its trajectory's)
+    token_ids: list[int]  # new tokens (an engine step: usually one)
     logprobs: list[float]  # their log-probs under the sampling distribution
-    finish_reason: FinishReason | None = None  # set on the request's last delta
+    finish_reason: FinishReason | None = None  # an engine's: set on the request's last delta
+    token_versions: list[int] = field(default_factory=list)  # streamed: the weight version of
+    # each token; an engine leaves it empty (it holds one version, EngineStats.version)
 
 
 @dataclass(slots=True)

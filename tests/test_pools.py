@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from laminar.pools.experience import ExperienceBuffer
-from laminar.pools.partials import PartialPool, TokenUpdate
+from laminar.pools.partials import PartialPool
 from laminar.pools.prompts import PromptPool, PromptSampler
-from laminar.types import GenerationRequest, PromptItem, Trajectory
+from laminar.types import GenerationRequest, PromptItem, TokenDelta, Trajectory
 
 ITEMS = [PromptItem(i, f"p{i}=", f"a{i}") for i in range(5)]
 
@@ -80,8 +80,8 @@ def test_partial_pool_streams_and_moves_entries():
     reqs = [GenerationRequest(f"{group.group_id}/{i}", group.prompt_ids) for i in range(2)]
     pool.register("a", group, reqs)
     tid = reqs[0].request_id
-    assert pool.update("a", [TokenUpdate(tid, [5, 6], [-0.1, -0.2], [3, 3])]) == 1
-    assert pool.update("b", [TokenUpdate(tid, [7], [-0.3], [3])]) == 0  # not the owner
+    assert pool.update("a", [TokenDelta(tid, [5, 6], [-0.1, -0.2], token_versions=[3, 3])]) == 1
+    assert pool.update("b", [TokenDelta(tid, [7], [-0.3], token_versions=[3])]) == 0  # not the owner
     entry = pool.entries[tid]
     assert entry.request.output_ids == [5, 6] and entry.request.version == 3
     aborted = GenerationRequest(tid, group.prompt_ids, output_ids=[5, 6, 7], logprobs=[-0.1, -0.2, -0.3],

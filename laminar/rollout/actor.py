@@ -24,7 +24,6 @@ import torch
 from laminar.config import Config
 from laminar.engine.lora import rollout_lora
 from laminar.models import load_pretrained
-from laminar.pools.partials import TokenUpdate
 from laminar.rollout.build import engine_factory
 from laminar.rollout.evals import EvalJob, Evaluator
 from laminar.rollout.finish import make_episodes, make_finisher
@@ -33,7 +32,7 @@ from laminar.rollout.loop import RolloutLoop
 from laminar.rollout.policy import Policy
 from laminar.rollout.requests import sampling_params
 from laminar.tasks import build_task
-from laminar.types import PromptGroup, RolloutSnapshot, Trajectory, Unfinished
+from laminar.types import PromptGroup, RolloutSnapshot, TokenDelta, Trajectory, Unfinished
 
 
 class RayPrompts:
@@ -64,7 +63,7 @@ class RayPartials:
     def register(self, owner: str, registrations: list[Registration]) -> None:
         self.pool.register_many.remote(owner, registrations)
 
-    def update(self, owner: str, updates: list[TokenUpdate]) -> None:
+    def update(self, owner: str, updates: list[TokenDelta]) -> None:
         self.pool.update.remote(owner, updates)
 
     def remove(self, traj_ids: list[str]) -> None:
