@@ -149,7 +149,9 @@ class Trajectory:
 
 @dataclass(slots=True)
 class Unfinished:
-    """A trajectory in flight as it moves between rollouts (repack, failover, retirement)."""
+    """A trajectory in flight as it moves between rollouts (repack, failover, retirement), with
+    the state that lives only in a rollout's process (its episode, its start time). The partial
+    pool's record of it, durable and naming its owner, is a `PartialEntry` (pools/partials.py)."""
 
     request: GenerationRequest  # prompt, tokens, log-probs and their versions so far
     group: PromptGroup  # the prompt (and reference answer) it samples

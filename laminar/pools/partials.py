@@ -25,6 +25,9 @@ from laminar.types import GenerationRequest, PromptGroup, TokenDelta
 
 @dataclass(slots=True)
 class PartialEntry:
+    """The pool's durable record of a trajectory in flight: who generates it (`owner`) and its
+    tokens as last streamed. A move between rollouts is an `Unfinished` (laminar.types)."""
+
     request: GenerationRequest  # prompt ids, tokens, log-probs and their versions so far
     group: PromptGroup  # the prompt (and reference answer) the sample belongs to
     owner: str  # rollout generating it now
