@@ -119,3 +119,19 @@ def test_custom_policy_is_checked():
     buf.put(_t("b", 0))
     with pytest.raises(ValueError, match="sampling policy returned"):
         buf.sample(2, 0)
+
+
+def test_pool_specs_build_the_pools_of_a_job_from_its_config():
+    """Both runtimes assemble the pools from `pool_specs` (in process, or one Ray actor each)."""
+    from laminar.config import load_config
+    from laminar.pools.build import POOLS, pool_specs
+
+    cfg = load_config(None, ["rollout.group_size=3", "cluster.wait_timeout_s=50", "task.seed=4"])
+    specs = pool_specs(cfg, ITEMS, encode, max_outstanding=7, db=None)
+    prompts, partials, buffer = (specs[k].build() for k in POOLS)
+    assert isinstance(partials, PartialPool) and len(partials) == 0
+    assert prompts.lease_timeout_s == 100 and prompts.max_outstanding == 7
+    assert buffer.group_size == 3
+    again = PromptSampler(ITEMS, encode, num_samples=3, seed=4)
+    assert [prompts.sampler.next_group().item.index for _ in range(5)] == \
+        [again.next_group().item.index for _ in range(5)]
