@@ -9,7 +9,31 @@ Map of the data path and the type each hop carries:
     RolloutLoop --RolloutSnapshot--> RolloutManager --Moved--> RolloutLoop (repack, failover)
 
 Small dataclasses, a comment per field. Add fields reluctantly. This module imports nothing
-from laminar.
+from laminar. It also names the schedules (`MODES`) and the built-in tasks (`TASKS`) once.
+
+Glossary (one word per meaning):
+- group: one prompt sampled `rollout.group_size` times (GRPO's group); the unit a rollout
+  leases, the buffer completes and the trainer samples.
+- trajectory: one sample of a group, prompt + response (+ an episode's observations);
+  `traj_id` = f"{group_id}/{i}", also its engine request id.
+- partial / in flight: a trajectory begun and not finished. Its durable record is the partial
+  pool's `PartialEntry`; as it moves between rollouts it is an `Unfinished`. `partial` mode
+  (AReaL's partial rollout) also continues one on new weights, so its tokens mix versions.
+- version: the number of a set of weights. The trainer publishes version v + 1 after each
+  step; every token and trajectory records the version that generated it. The latest (or
+  newest) version is the newest one published complete; a relay's `forwardable()` one may
+  still be arriving.
+- step: one trainer update of a global batch (`trainer.total_steps` of them); `TrainerService.steps`
+  counts them. A version equals the steps behind it unless a restart skipped numbers.
+- staleness: the trainer's version when it trains a trajectory minus the trajectory's version.
+- batch, by unit: a global batch is `trainer.prompts_per_step` groups (one step); a mini-batch
+  is 1 / `trainer.mini_batches` of it (one optimizer update); a micro-batch is at most
+  `trainer.micro_batch_tokens` padded tokens (one forward); a rollout keeps `rollout.batch_groups`
+  groups in flight; an engine decodes at most `rollout.engine.max_batch_size` sequences per
+  step; repack's batch bound B is in trajectories.
+- mode / schedule: where the waits are (laminar/modes/<mode>.py); `MODES` below.
+- episode, turn: a multi-turn trajectory with its environment (laminar/envs/); a turn is one
+  model generation (up to a stop string, EOS or its token budget).
 """
 
 from __future__ import annotations
