@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from laminar.config import ConfigError, RunStopped, load_config
+from laminar.types import MODES
 
 BENCHMARKS = {
     "engine": "laminar.bench.engine",
@@ -63,14 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine only: where the native engine runs (default cpu; vLLM picks "
                         "its own device)")
     p.add_argument("--modes", default=None,
-                   help="modes only: comma-separated subset of laminar,sync,one_step,stream,"
-                        "partial,trl (default: all)")
+                   help=f"modes only: comma-separated subset of {','.join((*MODES, 'trl'))} "
+                        "(default: all)")
     p.add_argument("--steps", type=int, default=None, help="modes only: trainer steps per mode")
     p.add_argument("--repeats", type=int, default=None,
                    help="modes only: runs of every mode (default 3; 1 with --quick)")
     p.add_argument("--no-control", dest="control", action="store_false", default=None,
                    help="modes only: skip the control runs with the env latency off")
-    p.add_argument("--task", default=None, choices=("reverse", "calc", "reasoning_gym"),
+    p.add_argument("--task", default=None,  # laminar.bench.modes.WORKLOADS checks it
                    help="modes only: the workload: reverse (default; emulated tool latency), "
                         "calc (the agentic task: real sandboxed tool calls) or reasoning_gym "
                         "(examples/reasoning-gym.yaml's task; needs the tasks extra)")

@@ -36,6 +36,7 @@ from laminar.sim.calibration import Calibration
 from laminar.sim.core import Setup
 from laminar.sim.costs import DecodeCurve
 from laminar.sim.workload import LengthDistribution
+from laminar.types import GLOBAL_BATCH_MODES
 
 DEFAULTS: dict[str, Any] = dict(
     kv_capacity_tokens=16384, max_running=64, prefill_ms_per_token=0.05,
@@ -94,7 +95,7 @@ def local_setup(mode: str, local: dict[str, Any], cal: Calibration, seed: int = 
         sync_s=cfg["sync_s"], push_s=cfg["push_s"], broadcast_s=cfg["broadcast_s"],
         pull_s=cfg["pull_s"],
         controller_s_per_token=(cfg["controller_s_per_token"]
-                                if mode in ("sync", "one_step", "stream") else 0.0),
+                                if mode in GLOBAL_BATCH_MODES else 0.0),
         update_overhead_s=0.0,  # measured trainer time already includes it
         lengths=LengthDistribution.from_points(lengths, min_len=1, max_len=int(max(lengths.values()))),
         prompts=int(cfg["prompts"]), samples=int(cfg["samples"]),
