@@ -65,7 +65,6 @@ def test_a_job_on_vllm_trains_every_group_exactly_once(mode, tmp_path, ray_clust
     assert mismatch and max(mismatch) <= 1e-4, mismatch
 
 
-@pytest.mark.slow  # ~5 min here: finish() waits cluster.wait_timeout_s for evaluations never reported
 def test_vllm_rollouts_with_lora_survive_a_repack_move_and_a_sigkill(tmp_path, ray_cluster):
     """One laminar job on two vLLM rollouts with trainer.lora (adapter-only versions, merged on
     the rollouts into W0 + B @ A and loaded into vLLM in place): a forced repack move from
