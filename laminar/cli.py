@@ -144,7 +144,7 @@ def resume_config(run_dir: str, overrides: list[str]) -> Any:
         raise ConfigError(f"cannot resume '{run_dir}': it has no config.yaml (is it a run "
                           "directory, e.g. runs/reverse?); or use `laminar train CONFIG --resume "
                           f"{run_dir}`")
-    return load_config(saved, [*overrides, f"run_dir={run_dir}", "resume=true"])
+    return load_config(saved, [*overrides, f"run_dir={run_dir}", "resume=true"], saved_run=True)
 
 
 def checked(cfg: Any) -> Any:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from laminar.config import Config, ConfigError, load_config
 
@@ -85,6 +86,31 @@ def test_retired_keys_name_their_replacement():
         load_config(None, ["cluster.backend=local", "mode=laminar"])
     with pytest.raises(ConfigError, match="needs rollout.engine.backend=native"):
         load_config(None, ["rollout.engine.backend=hf"])
+
+
+@pytest.mark.parametrize("old, value, new", [
+    ("trainer.resume", "runs/a/checkpoints/step_000010", "trainer.from_checkpoint"),
+    ("rollout.env_latency.enabled", "true", "bench.env_latency"),
+])
+def test_renamed_keys_name_old_key_value_and_replacement(old, value, new):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{old}={value}"])
+    msg = str(e.value)
+    assert msg.count("\n") == 1, msg  # the header and one line
+    assert f"'{old.removesuffix('.enabled')}'" in msg and f"the key is now {new}" in msg and new in msg
+    assert value in msg
+
+
+def test_a_runs_saved_config_with_renamed_keys_still_resumes(tmp_path):
+    """`laminar resume` of a run whose config.yaml an older laminar wrote (full dump, old keys)."""
+    saved = Config().model_dump(mode="json")
+    saved["trainer"]["resume"] = saved["trainer"].pop("from_checkpoint")
+    saved["rollout"]["env_latency"] = {**saved.pop("bench")["env_latency"], "median_s": 0.25}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    cfg = load_config(tmp_path / "config.yaml", saved_run=True)
+    assert cfg.bench.env_latency.median_s == 0.25 and cfg.trainer.from_checkpoint is None
+    with pytest.raises(ConfigError, match="'trainer.resume' = None: the key is now trainer.from_checkpoint"):
+        load_config(tmp_path / "config.yaml")  # a user's own file is told, not migrated
 
 
 def test_malformed_override_and_missing_file():

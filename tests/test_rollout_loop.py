@@ -60,7 +60,7 @@ class World:
         engine = Engine(copy.deepcopy(self.model), EOS_ID, PAD_ID, max_batch_size=8)
         io = RolloutIO(LocalPrompts(self.prompts), LocalPartials(self.partials),
                        LocalBuffer(self.buffer), BoardWeights(self.board))
-        finisher = Finisher(self.task, self.tokenizer, self.cfg.rollout.env_latency, 0)
+        finisher = Finisher(self.task, self.tokenizer, self.cfg.bench.env_latency, 0)
         return RolloutLoop(rollout_id, engine, io, policy or self.policy, finisher,
                            sampling_params(self.cfg), self.cfg.rollout, heartbeat_s=1.0)
 

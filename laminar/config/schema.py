@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from laminar.config.base import GLOBAL_BATCH_MODES, MODES, Mode, Section
+from laminar.config.bench import BenchConfig
 from laminar.config.cluster import ClusterConfig, ManagerConfig, RelayConfig
 from laminar.config.rollout import RolloutConfig
 from laminar.config.tasks import TaskConfig, task_rules
@@ -96,6 +97,9 @@ class Config(Section):
                                description="Relay tier: shared-memory weight store and chain broadcast.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig,
                                    description="Where metrics go besides RUN_DIR/metrics.jsonl.")
+    bench: BenchConfig = Field(default_factory=BenchConfig, description="BENCHMARKS ONLY: "
+                               "emulations that shape a benchmark's workload; never needed to "
+                               "train a real task.")
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "Config":
@@ -104,10 +108,6 @@ class Config(Section):
             raise ValueError(f"cluster.backend=local runs mode={' | '.join(GLOBAL_BATCH_MODES)} "
                              f"(got mode={self.mode}, whose rollouts and trainer run at once); use "
                              "cluster.backend=ray for it")
-        if self.rollout.engine.backend == "hf":
-            raise ValueError("rollout.engine.backend=hf is the static-batch baseline of `laminar "
-                             "bench engine`; training streams, aborts and resumes trajectories, "
-                             "which needs rollout.engine.backend=native")
         if self.cluster.virtual_nodes > self.rollout.num_workers:
             raise ValueError(f"cluster.virtual_nodes={self.cluster.virtual_nodes} exceeds "
                              f"rollout.num_workers={self.rollout.num_workers}; every virtual node "

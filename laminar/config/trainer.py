@@ -52,7 +52,12 @@ class TrainerConfig(Section):
                               "a crash (from its newest checkpoint) before the run fails.")
     threads: int = Field(2, ge=1, description="torch threads for training.")
     bf16: bool = Field(False, description="bfloat16 autocast for forward/backward (fp32 master weights).")
-    resume: str | None = Field(None, description="Checkpoint directory to resume from.")
+    from_checkpoint: str | None = Field(
+        None, description="Start this new run from a laminar checkpoint directory "
+        "(RUN_DIR/checkpoints/step_NNNNNN): its model, optimizer, step count and place in the "
+        "prompt stream. Not the same as "
+        "the top-level `resume`, which continues a killed job in its own run_dir, pools "
+        "included.")
     seed: int = Field(0, description="Seed of the trainer and the sampling RNG.")
     eval_every: int = Field(10, ge=0, description="Held-out evaluation (greedy and sampled, on "
                             "task.eval_prompts prompts) every N trainer steps, run by a rollout "
