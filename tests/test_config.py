@@ -126,3 +126,48 @@ def test_cli_prints_one_message_without_traceback():
     assert proc.returncode == 2
     assert "unknown key 'trainer.lrr'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_config_explain_prints_description_type_default_and_allowed_values():
+    proc = subprocess.run([sys.executable, "-m", "laminar.cli", "config", "--explain",
+                           "rollout.engine.backend"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "rollout.engine.backend" and "continuous-batching" in proc.stdout
+    assert "  type:    str" in lines and "  default: 'native'" in lines
+    assert "  allowed: 'native', 'vllm'" in lines
+
+
+def test_config_explain_bounds_and_sections(capsys):
+    from laminar.cli import main
+
+    assert main(["config", "--explain", "trainer.lr"]) == 0
+    out = capsys.readouterr().out
+    assert "AdamW learning rate." in out and "type:    float (> 0.0)" in out
+    assert "default: 0.0002" in out
+    assert main(["config", "--explain", "trainer.lora"]) == 0
+    assert "optional section (unset by default) with keys: r, alpha" in capsys.readouterr().out
+
+
+def test_config_explain_unknown_key_is_one_line_with_close_matches(capsys):
+    from laminar.cli import main
+
+    assert main(["config", "--explain", "trainer.lrr"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown key 'trainer.lrr'" in err and "'trainer.lr'" in err
+    assert main(["config", "--explain", "seed"]) == 2  # the same leaf in several sections
+    err = capsys.readouterr().err
+    assert "'trainer.seed'" in err and "'task.seed'" in err
+    assert main(["config", "--explain", "trainer.resume"]) == 2
+    assert "is now trainer.from_checkpoint" in capsys.readouterr().err
+
+
+def test_every_listed_key_explains(capsys):
+    from laminar.cli import main
+    from laminar.config.explain import every_key, explain
+
+    assert main(["config"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert "trainer.lr = 0.0002" in listed and len(listed) > 100
+    for line in every_key().splitlines():
+        assert explain(line.split(" = ")[0])

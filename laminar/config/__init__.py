@@ -4,10 +4,11 @@
 
 Rooms: base.py (the `Section` base, the mode and device vocabularies, `ConfigError`,
 `RunStopped`), schema.py (the root `Config` and its cross-section rules; `model`, `metrics`,
-`sandbox`), bench.py (`bench`: benchmark-only emulations), tasks.py (the `task` section beside its rules), rollout.py (`rollout`,
+`sandbox`), tasks.py (the `task` section beside its rules), rollout.py (`rollout`,
 `rollout.engine`), trainer.py (`trainer`, `sft`), cluster.py (`cluster`, `manager`, `relay`),
-load.py (YAML + overrides, error messages, retired keys). Every field has a description.
-The package imports nothing else from laminar; every name is importable from here.
+bench.py (`bench`: benchmark-only emulations), load.py (YAML + overrides, error messages,
+retired and renamed keys), explain.py (`laminar config --explain KEY`). Every field has a
+description. The package imports nothing else from laminar; every name is importable from here.
 """
 
 from laminar.config.base import (DEVICES, GLOBAL_BATCH_MODES, MODES, PRESET_POSITIONS, ConfigError,
