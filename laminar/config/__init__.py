@@ -13,10 +13,10 @@ description. The package imports nothing else from laminar; every name is import
 
 from laminar.config.base import (DEVICES, GLOBAL_BATCH_MODES, MODES, PRESET_POSITIONS, ConfigError,
                                  Device, Mode, RunStopped, Section)
-from laminar.config.cluster import ClusterConfig, ManagerConfig, RelayConfig
-from laminar.config.load import (RETIRED, TARGET_KEYS, apply_override, format_validation_error,
-                                 load_config)
 from laminar.config.bench import BenchConfig, EnvLatencyConfig
+from laminar.config.cluster import ClusterConfig, ManagerConfig, RelayConfig
+from laminar.config.load import (RENAMED, RETIRED, TARGET_KEYS, apply_override,
+                                 format_validation_error, load_config)
 from laminar.config.rollout import EngineConfig, RolloutConfig
 from laminar.config.schema import Config, MetricsConfig, ModelConfig, SandboxConfig
 from laminar.config.tasks import (CalcTaskConfig, DatasetConfig, HumanEvalTaskConfig,
@@ -25,11 +25,11 @@ from laminar.config.tasks import (CalcTaskConfig, DatasetConfig, HumanEvalTaskCo
 from laminar.config.trainer import LoraConfig, SFTConfig, TrainerConfig
 
 __all__ = [
-    "DEVICES", "GLOBAL_BATCH_MODES", "MODES", "PRESET_POSITIONS", "RETIRED", "TARGET_KEYS",
-    "BenchConfig", "CalcTaskConfig", "ClusterConfig", "Config", "ConfigError", "DatasetConfig", "Device",
-    "EngineConfig", "EnvLatencyConfig", "HumanEvalTaskConfig", "LoraConfig", "ManagerConfig",
-    "MetricsConfig", "Mode", "ModelConfig", "ReasoningGymDatasetConfig", "ReasoningGymTaskConfig",
-    "RelayConfig", "ReverseTaskConfig", "RolloutConfig", "RunStopped", "SFTConfig",
-    "SandboxConfig", "Section", "TaskConfig", "TrainerConfig", "apply_override",
-    "format_validation_error", "load_config",
+    "DEVICES", "GLOBAL_BATCH_MODES", "MODES", "PRESET_POSITIONS", "RENAMED", "RETIRED",
+    "TARGET_KEYS", "BenchConfig", "CalcTaskConfig", "ClusterConfig", "Config", "ConfigError",
+    "DatasetConfig", "Device", "EngineConfig", "EnvLatencyConfig", "HumanEvalTaskConfig",
+    "LoraConfig", "ManagerConfig", "MetricsConfig", "Mode", "ModelConfig",
+    "ReasoningGymDatasetConfig", "ReasoningGymTaskConfig", "RelayConfig", "ReverseTaskConfig",
+    "RolloutConfig", "RunStopped", "SFTConfig", "SandboxConfig", "Section", "TaskConfig",
+    "TrainerConfig", "apply_override", "format_validation_error", "load_config",
 ]
