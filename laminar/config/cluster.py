@@ -53,7 +53,8 @@ class ClusterConfig(Section):
     heartbeat_s: float = Field(
         2.0, gt=0.0, description="Liveness period: a rollout renews its prompt leases this often, "
         "waits this long at most for a health-check answer, and is declared dead by the manager "
-        "when it has not answered for 3 x this long.")
+        "when it has not answered for 3 x this long. (Relays have their own: relay.heartbeat_s, "
+        "relay.timeout_s; every liveness knob: docs/config.md.)")
 
 
 class ManagerConfig(Section):
@@ -105,10 +106,11 @@ class RelayConfig(Section):
                             "when unset the runtime generates a random secret per job.")
     shm_dir: str = Field("/dev/shm", description="tmpfs directory holding the versions.")
     heartbeat_s: float = Field(1.0, gt=0.0, description="Ping period on idle links and of the "
-                               "relay group's heartbeat checks.")
+                               "relay group's heartbeat checks (rollouts: cluster.heartbeat_s).")
     timeout_s: float = Field(5.0, gt=0.0, description="A relay that makes no progress for this "
                              "long (connect, handshake, send, ping) is declared dead and cut out.")
     transport: Literal["tcp"] = Field("tcp", description="Relay-to-relay transport.")
+
     @model_validator(mode="after")
     def _timeout_after_heartbeat(self) -> "RelayConfig":
         if self.timeout_s <= self.heartbeat_s:

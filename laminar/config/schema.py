@@ -26,7 +26,9 @@ class ModelConfig(Section):
         "instead of a preset. Also accepts a laminar checkpoint's `model/` folder.")
     attn_implementation: Literal["sdpa", "eager"] = Field(
         "sdpa", description="Attention kernel passed to transformers.")
-    seed: int = Field(0, description="Seed for the random initialisation of a preset model.")
+    seed: int = Field(0, description="Seed for the random initialisation of a preset model "
+                      "(the other seeds: task.seed, the prompts; trainer.seed, training and "
+                      "sampling; docs/config.md).")
 
 
 class MetricsConfig(Section):

@@ -155,7 +155,9 @@ class TaskConfig(Section):
         "inf or a value outside [0, 1]) is tried again before its trajectory is marked failed: "
         "counted by reason and left out of training.")
     eval_prompts: int = Field(128, ge=1, description="Held-out prompts used to report exact match.")
-    seed: int = Field(0, description="Seed of the task's data generation and shuffling.")
+    seed: int = Field(0, description="Seed of the task's data generation and shuffling: the "
+                      "generated and held-out prompts, the prompt pool's order (reasoning_gym "
+                      "draws its prompts from task.reasoning_gym.seed).")
 
 
 def task_rules(cfg: Config) -> None:

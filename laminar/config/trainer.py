@@ -58,7 +58,8 @@ class TrainerConfig(Section):
         "prompt stream. Not the same as "
         "the top-level `resume`, which continues a killed job in its own run_dir, pools "
         "included.")
-    seed: int = Field(0, description="Seed of the trainer and the sampling RNG.")
+    seed: int = Field(0, description="Seed of the trainer and the sampling RNG (every "
+                      "trajectory's sampling seed derives from it and the trajectory's id).")
     eval_every: int = Field(10, ge=0, description="Held-out evaluation (greedy and sampled, on "
                             "task.eval_prompts prompts) every N trainer steps, run by a rollout "
                             "while the trainer goes on; also at the start and the end (0 = only then).")
@@ -113,7 +114,8 @@ class SFTConfig(Section):
     enabled: bool = Field(True, description="Run the supervised warm start when `model.path` is unset.")
     steps: int = Field(200, ge=1, description="Optimizer steps (stops earlier at `max_seconds`).")
     max_seconds: float = Field(115.0, gt=0.0, description="Wall-clock cap for the warm start.")
-    batch_size: int = Field(64, ge=1, description="Sequences per step.")
+    batch_size: int = Field(64, ge=1, description="Sequences per warm-start step (RL's global "
+                            "batch is trainer.prompts_per_step groups).")
     lr: float = Field(3e-3, gt=0.0, description="AdamW learning rate (cosine decay to 10%).")
     cache_dir: str = Field(".cache/sft", description="Where warm-started models are cached, keyed "
                            "by the model, task and SFT settings.")
