@@ -80,8 +80,8 @@ def test_retired_keys_name_their_replacement():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["trainer.max_staleness=2", "trainer.stream_minibatches=false"])
     msg = str(e.value)
-    assert "'trainer.max_staleness': it was removed" in msg and "rollout.max_outstanding_batches" in msg
-    assert "'trainer.stream_minibatches': it was removed" in msg
+    assert "'trainer.max_staleness' = 2: it was removed" in msg and "rollout.max_outstanding_batches" in msg
+    assert "'trainer.stream_minibatches' = False: it was removed" in msg
     with pytest.raises(ConfigError, match="cluster.backend=local runs mode=sync"):
         load_config(None, ["cluster.backend=local", "mode=laminar"])
     with pytest.raises(ConfigError, match="needs rollout.engine.backend=native"):

@@ -150,7 +150,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         loc = ".".join(str(p) for p in e["loc"])
         kind = e["type"]
         if kind == "extra_forbidden" and loc in RETIRED:
-            lines.append(f"  - '{loc}': {RETIRED[loc]}")
+            lines.append(f"  - '{loc}' = {e.get('input')!r}: {RETIRED[loc]}")
         elif kind == "extra_forbidden" and loc in RENAMED:
             new, why = RENAMED[loc]
             value = e.get("input")
