@@ -1,4 +1,4 @@
-"""laminar: train | resume | sft | bench | report | scale | status | cluster | simulate | doctor.
+"""laminar: train | resume | sft | bench | report | scale | status | cluster | simulate | doctor | config.
 
 Heavy imports (torch, transformers, ray) are deferred into the subcommands so that `--help`
 answers at once. User mistakes (`ConfigError`) print one clear message and exit 2, no traceback.
@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray", action="store_true",
                    help="also start a local Ray cluster for a moment to see that ray.init works")
 
+    p = sub.add_parser("config", help="what a config key means: `--explain KEY` (description, "
+                       "type, default, allowed values); alone, every key with its default")
+    p.add_argument("--explain", metavar="KEY", default=None, help="a dotted key, e.g. trainer.lr")
+
     p = sub.add_parser("simulate", help="cluster-scale simulator of the five schedules",
                        add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -148,7 +152,7 @@ def resume_config(run_dir: str, overrides: list[str]) -> Any:
         raise ConfigError(f"cannot resume '{run_dir}': it has no config.yaml (is it a run "
                           "directory, e.g. runs/reverse?); or use `laminar train CONFIG --resume "
                           f"{run_dir}`")
-    return load_config(saved, [*overrides, f"run_dir={run_dir}", "resume=true"])
+    return load_config(saved, [*overrides, f"run_dir={run_dir}", "resume=true"], saved_run=True)
 
 
 def checked(cfg: Any) -> Any:
@@ -215,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
             from laminar.trainer.sft import run_sft
 
             run_sft(checked(load_config(args.config, args.overrides)))
+        elif args.command == "config":
+            from laminar.config.explain import every_key, explain
+
+            print(explain(args.explain) if args.explain else every_key())
         elif args.command == "doctor":
             from laminar.doctor import main as doctor_main
 

@@ -54,8 +54,8 @@ WORKLOAD = [
     "model.preset=tiny", "rollout.num_workers=2", "cluster.virtual_nodes=2",
     "rollout.group_size=8", "rollout.batch_groups=4", "rollout.max_new_tokens=80",
     "rollout.engine.max_batch_size=64", "rollout.engine.kv_capacity_tokens=4096",
-    "rollout.env_latency.enabled=true", "rollout.env_latency.median_s=0.15",
-    "rollout.env_latency.sigma=1.0", "rollout.env_latency.max_s=3.0",
+    "bench.env_latency.enabled=true", "bench.env_latency.median_s=0.15",
+    "bench.env_latency.sigma=1.0", "bench.env_latency.max_s=3.0",
     "task.reward=laminar.tasks.rewards:exact_match_reward", "task.eval_prompts=256",
     "sft.steps=450", "sft.max_seconds=3600",
     "trainer.prompts_per_step=32", "trainer.mini_batches=4", "trainer.lr=1e-4",
@@ -63,7 +63,7 @@ WORKLOAD = [
     "trainer.eval_every=0", "trainer.eval_every_s=5", "trainer.checkpoint_every=0",
     "metrics.tensorboard=false", "metrics.live=off",
 ]
-CONTROL = ["rollout.env_latency.enabled=false"]  # the control: no tool latency
+CONTROL = ["bench.env_latency.enabled=false"]  # the control: no tool latency
 # The agentic workload (`--task calc`): the same shape of job on the calc task (examples/
 # calc.yaml), whose tool calls run real programs in the sandbox; no emulated latency.
 CALC_WORKLOAD = [

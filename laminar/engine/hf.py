@@ -10,7 +10,7 @@ which is the behaviour policy the PPO ratio needs. Per-request seeds are not sup
 Not a `RolloutEngine` (laminar/engine/protocol.py): a static batch cannot admit a request while
 another decodes, so there is no `add`/`step`/`abort`, and no KV accounting for `stats`. It offers
 `generate` and `load_weights` (a `WeightTarget`), which is what benchmarks and offline
-evaluation use; training refuses `rollout.engine.backend: hf` (config.py).
+evaluation use; training refuses `rollout.engine.backend: hf` (laminar/config/rollout.py).
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def block_from_run(run_dir: Path, engine_json: Path, cfg: Any, warmup: int = 2) 
     lens = np.array([t["response_len"] for t in trajs], dtype=float)
     n_trajs = len(trajs)
     prompt_tokens = sum(r["batch_tokens"] - r["response_tokens"] for r in rows)
-    ro, tr = cfg.rollout, cfg.trainer
+    ro, tr, env = cfg.rollout, cfg.trainer, cfg.bench.env_latency
     return {
         "engine_bench": str(engine_json),
         "kv_capacity_tokens": ro.engine.kv_capacity_tokens,
@@ -133,8 +133,8 @@ def block_from_run(run_dir: Path, engine_json: Path, cfg: Any, warmup: int = 2) 
         "prompt_median": prompt_tokens / n_trajs, "prompt_sigma": 0.0,
         "rollout_workers": ro.num_workers, "prompts": tr.prompts_per_step,
         "samples": ro.group_size, "minibatches": tr.mini_batches,
-        "env_median_s": ro.env_latency.median_s if ro.env_latency.enabled else 0.0,
-        "env_sigma": ro.env_latency.sigma, "env_max_s": ro.env_latency.max_s,
+        "env_median_s": env.median_s if env.enabled else 0.0,
+        "env_sigma": env.sigma, "env_max_s": env.max_s,
     }
 
 

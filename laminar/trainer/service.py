@@ -114,15 +114,15 @@ class TrainerService:
                                cfg.rollout.temperature, ranks)
         self.data, self.weights = data, weights
         self.skipped_versions = 0  # version numbers a restart skipped: version - steps
-        if cfg.trainer.resume:  # a new run from another run's checkpoint
-            extra = self.trainer.load_checkpoint(cfg.trainer.resume)
+        if cfg.trainer.from_checkpoint:  # a new run from another run's checkpoint
+            extra = self.trainer.load_checkpoint(cfg.trainer.from_checkpoint)
             self.skipped_versions = self.trainer.version - extra.get("steps", self.trainer.version)
             if not (restarted or cfg.resume):  # a live or restored pool knows its own position
                 self.data.load_prompt_state(extra["prompts"])
         self.history: list[dict[str, Any]] = []
         if restarted or cfg.resume:
             self._recover("trainer_restart" if restarted else "resume")
-        elif not cfg.trainer.resume:
+        elif not cfg.trainer.from_checkpoint:
             set_aside(cfg.resolved_run_dir / "trajectories.jsonl")
         self.last_update: float | None = None
         self.idle_s = 0.0
