@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -187,10 +188,14 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"--shapes: '{unknown[0]}' is unknown; choose of {', '.join(LOAD_SHAPES)}")
     torch.set_num_threads(1)
+    before = os.getloadavg()[0]
     rows = load_scaling({s: LOAD_SHAPES[s] for s in args.shapes.split(",")}, args.repeats)
+    load = [round(before, 2), round(os.getloadavg()[0], 2)]
+    print(f"load average (1 min) before/after: {load[0]} / {load[1]} on {os.cpu_count()} CPUs")
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(rows=rows, threads=1, provenance=provenance()),
-                                             indent=2) + "\n")
+        Path(args.out).write_text(json.dumps(dict(
+            rows=rows, threads=1, repeats=args.repeats, load_average_before_after=load,
+            provenance=provenance()), indent=2) + "\n")
         print(f"wrote {args.out}")
 
 
