@@ -11,7 +11,7 @@ import pytest
 from laminar.relay.address import AddressError, resolve_host
 from laminar.relay.client import Puller
 from laminar.relay.plan import RelayInfo
-from laminar.relay.relay import node_id
+from laminar.relay.address import node_id
 from laminar.plugins import SHIPPED_ENV, shipped_copy
 from laminar.runtime.shipping import user_runtime_env
 

@@ -41,11 +41,12 @@ import numpy as np
 
 from laminar.bench import learning, trl
 from laminar.bench.cpu import CpuMeter
-from laminar.config import MODES, Config, ConfigError, load_config
+from laminar.config import Config, ConfigError, load_config
 from laminar.metrics import read_metrics, read_rows
 from laminar.modes import run_training
 from laminar.provenance import provenance, versions
 from laminar.report import bench_html_path, write_bench_html
+from laminar.types import MODES
 
 # The workload, the same for every schedule. Lengths follow the reverse task's default long
 # tail (p99/p50 ~ 10); each trajectory also waits on an emulated tool call (log-normal latency).
@@ -57,8 +58,8 @@ WORKLOAD = [
     "model.preset=tiny", "rollout.num_workers=2", "cluster.virtual_nodes=2",
     "rollout.group_size=8", "rollout.batch_groups=4", "rollout.max_new_tokens=80",
     "rollout.engine.max_batch_size=64", "rollout.engine.kv_capacity_tokens=4096",
-    "rollout.env_latency.enabled=true", "rollout.env_latency.median_s=0.15",
-    "rollout.env_latency.sigma=1.0", "rollout.env_latency.max_s=3.0",
+    "bench.env_latency.enabled=true", "bench.env_latency.median_s=0.15",
+    "bench.env_latency.sigma=1.0", "bench.env_latency.max_s=3.0",
     "task.reward=laminar.tasks.rewards:exact_match_reward", "task.eval_prompts=256",
     "sft.steps=450", "sft.max_seconds=3600",
     "trainer.prompts_per_step=32", "trainer.mini_batches=4", "trainer.lr=1e-4",
@@ -66,7 +67,7 @@ WORKLOAD = [
     "trainer.eval_every=0", "trainer.eval_every_s=5", "trainer.checkpoint_every=0",
     "metrics.tensorboard=false", "metrics.live=off",
 ]
-CONTROL = ["rollout.env_latency.enabled=false"]  # the control: no tool latency
+CONTROL = ["bench.env_latency.enabled=false"]  # the control: no tool latency
 # The agentic workload (`--task calc`): the same shape of job on the calc task (examples/
 # calc.yaml), whose tool calls run real programs in the sandbox; no emulated latency.
 CALC_WORKLOAD = [
@@ -281,6 +282,9 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
     import ray
 
     chosen = parse_modes(modes)
+    if task not in WORKLOADS:
+        raise ConfigError(f"--task {task!r}: bench modes has a workload for "
+                          f"{', '.join(WORKLOADS)}")
     overrides = list(overrides or [])
     prediction = read_prediction(predicted) if predicted else None  # before anything runs
     bench_config("laminar", 1, Path("/tmp"), overrides, task)  # a bad --set fails first

@@ -12,10 +12,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from laminar.config import MODES, Config
+from laminar.config import Config
 from laminar.runtime import open_runtime
 from laminar.sinks import check_backends
 from laminar.tasks.dataset import load_dataset
+from laminar.types import MODES
 
 __all__ = ["MODES", "run_training", "schedule"]
 

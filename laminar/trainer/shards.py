@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from laminar.relay.relay import node_id
+from laminar.relay.address import node_id
 from laminar.relay.version import VersionHeader, checksums, layout
 
 _MAPS: dict[str, tuple[int, mmap.mmap]] = {}  # this process's slot mappings, kept across pushes
