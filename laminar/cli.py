@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
             run_sft(checked(load_config(args.config, args.overrides)))
         elif args.command == "config":
-            from laminar.config.explain import every_key, explain
+            from laminar.config.explain import every_key, explain  # a sub-command's own
 
             print(explain(args.explain) if args.explain else every_key())
         elif args.command == "doctor":

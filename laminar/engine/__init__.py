@@ -17,23 +17,22 @@ from laminar.engine.protocol import RolloutEngine
 def build_engine(cfg: EngineConfig, model, eos_token_id: int, pad_token_id: int, version: int = 0,
                  seed: int = 0) -> RolloutEngine:
     if cfg.backend == "vllm":
-        from laminar.engine.vllm_engine import VLLMEngine  # vllm (a ConfigError when missing)
-
-        return VLLMEngine(model, eos_token_id, pad_token_id, max_batch_size=cfg.max_batch_size,
-                          kv_capacity_tokens=cfg.kv_capacity_tokens, version=version, seed=seed,
-                          block_size=cfg.vllm_block_size, enforce_eager=cfg.vllm_enforce_eager)
+        return _engine_class("VLLMEngine")(
+            model, eos_token_id, pad_token_id, max_batch_size=cfg.max_batch_size,
+            kv_capacity_tokens=cfg.kv_capacity_tokens, version=version, seed=seed,
+            block_size=cfg.vllm_block_size, enforce_eager=cfg.vllm_enforce_eager)
     if cfg.backend == "hf":
-        from laminar.engine.hf import HFEngine  # torch, transformers
-
-        return HFEngine(model, eos_token_id, pad_token_id, max_batch_size=cfg.max_batch_size,
-                        version=version)
-    from laminar.engine.engine import Engine  # torch
-
-    return Engine(model, eos_token_id, pad_token_id, max_batch_size=cfg.max_batch_size,
-                  kv_capacity_tokens=cfg.kv_capacity_tokens, version=version, seed=seed)
+        return _engine_class("HFEngine")(model, eos_token_id, pad_token_id,
+                                         max_batch_size=cfg.max_batch_size, version=version)
+    return _engine_class("Engine")(model, eos_token_id, pad_token_id,
+                                   max_batch_size=cfg.max_batch_size,
+                                   kv_capacity_tokens=cfg.kv_capacity_tokens, version=version,
+                                   seed=seed)
 
 
-def __getattr__(name: str) -> Any:
+def _engine_class(name: str) -> Any:
+    """An engine class, imported now: the package's `__getattr__` too, so that
+    `from laminar.engine import Engine` imports the engine only then."""
     if name == "Engine":
         from laminar.engine.engine import Engine  # torch
 
@@ -43,10 +42,13 @@ def __getattr__(name: str) -> Any:
 
         return HFEngine
     if name == "VLLMEngine":
-        from laminar.engine.vllm_engine import VLLMEngine  # vllm
+        from laminar.engine.vllm_engine import VLLMEngine  # vllm (a ConfigError when missing)
 
         return VLLMEngine
     raise AttributeError(f"module 'laminar.engine' has no attribute {name!r}")
+
+
+__getattr__ = _engine_class
 
 
 __all__ = ["Engine", "HFEngine", "VLLMEngine", "build_engine"]
