@@ -157,11 +157,11 @@ def checked(cfg: Any) -> Any:
 
 
 def cluster_command(args: argparse.Namespace) -> int:
-    from laminar.runtime.nscluster import ClusterError, NamespacedCluster
+    from laminar.devcluster.nscluster import ClusterError, NamespacedCluster
 
     try:
         if args.action == "status":
-            from laminar.runtime.status import main as status_main
+            from laminar.devcluster.status import main as status_main
 
             return status_main(args.address, args.name)
         cluster = NamespacedCluster(getattr(args, "nodes", 1), getattr(args, "bandwidth_mbit", None),

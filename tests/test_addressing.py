@@ -106,7 +106,7 @@ def test_installed_packages_are_not_shipped(tmp_path):
 
 
 def test_status_orders_a_chain_and_reports_link_speeds():
-    from laminar.runtime.status import _chain_position, link_speed_gbit, render
+    from laminar.devcluster.status import _chain_position, link_speed_gbit, render
 
     relays = [{"id": "node2", "successor": None, "info": {"host": "10.0.0.3", "port": 3},
                "latest": 4, "versions": [3, 4], "failures": [],

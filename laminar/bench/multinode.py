@@ -3,7 +3,7 @@
     laminar bench multinode [--quick] [--out multinode.json]
 
 A head raylet and 4 worker raylets, each worker in its own network and mount namespace with a
-1 Gbit/s link (laminar/runtime/nscluster.py: `laminar cluster up --nodes 5 --bandwidth-mbit
+1 Gbit/s link (laminar/devcluster/nscluster.py: `laminar cluster up --nodes 5 --bandwidth-mbit
 1000`). Two parts:
 
 1. **Broadcast across nodes.** Relays are Ray actors, one per node, started the way a job starts
@@ -46,7 +46,7 @@ MB = 1_000_000
 
 
 def main(quick: bool = False, out: str | None = None) -> dict[str, Any]:
-    from laminar.runtime.nscluster import NamespacedCluster
+    from laminar.devcluster.nscluster import NamespacedCluster
 
     ok, why = NamespacedCluster.available()
     report: dict[str, Any] = {"benchmark": "multinode", "nodes": NODES, "link_mbit": LINK_MBIT,
