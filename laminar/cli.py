@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "scale":
             from pathlib import Path
 
-            from laminar.modes.control import submit
+            from laminar.observe.control import submit
 
             if not (args.add or args.remove or args.rollouts is not None):
                 raise ConfigError("laminar scale: say what to change: --add N [--new-node], "
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "status":
             from pathlib import Path
 
-            from laminar.modes.control import read_status, render_status
+            from laminar.observe.control import read_status, render_status
 
             print(render_status(read_status(Path(args.run_dir))), end="")
     except ConfigError as e:
