@@ -5,6 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from laminar.config import Config, ConfigError
+from laminar.engine.lora import base_dir, is_lora_checkpoint_model
+from laminar.models import load_policy, save_pretrained
+from laminar.models.builder import check_model_dir
+from laminar.pools.resume import check_resumable
+from laminar.trainer.service import newest_checkpoint
+from laminar.trainer.sft import run_sft
 
 
 def start_weights(cfg: Config) -> tuple[str, int]:
@@ -21,8 +27,6 @@ def check_lora_start(cfg: Config, path: str) -> None:
     """trainer.lora keeps one base for a run's whole lineage: the starting weights of a fresh
     run; a resumed one's `model/` is a merged export whose checkpoint names the base
     (laminar/engine/lora.py `base_dir`). A ConfigError when that cannot hold."""
-    from laminar.engine.lora import base_dir, is_lora_checkpoint_model
-
     lora_ckpt = is_lora_checkpoint_model(path)
     resuming = bool(cfg.resume or cfg.trainer.resume) and Path(path).name == "model"
     if cfg.trainer.lora is None:
@@ -45,9 +49,6 @@ def check_lora_start(cfg: Config, path: str) -> None:
 
 def _start_weights(cfg: Config) -> tuple[str, int]:
     if cfg.resume:
-        from laminar.pools.resume import check_resumable
-        from laminar.trainer.service import newest_checkpoint
-
         check_resumable(cfg)
         ckpt = newest_checkpoint(cfg.resolved_run_dir)
         if ckpt is not None:
@@ -59,15 +60,9 @@ def _start_weights(cfg: Config) -> tuple[str, int]:
                               "model/ and trainer_state.json inside, e.g. runs/NAME/checkpoints/step_000010)")
         return str(ckpt / "model"), int(json.loads((ckpt / "trainer_state.json").read_text())["version"])
     if cfg.model.path:
-        from laminar.models.builder import check_model_dir
-
         check_model_dir(cfg.model.path)  # here, not as a traceback from every component
         return cfg.model.path, 0
-    from laminar.models import load_policy, save_pretrained
-
     if cfg.sft.enabled:
-        from laminar.trainer.sft import run_sft
-
         return str(run_sft(cfg)), 0
     path = cfg.resolved_run_dir / "initial_model"
     if cfg.resume and (path / "config.json").is_file():
@@ -81,8 +76,6 @@ def start_step(cfg: Config) -> int:
     newest checkpoint's when the job resumes, a `trainer.resume` checkpoint's, else 0."""
     ckpt = None
     if cfg.resume:
-        from laminar.trainer.service import newest_checkpoint
-
         ckpt = newest_checkpoint(cfg.resolved_run_dir)
     if ckpt is None and cfg.trainer.resume:
         ckpt = Path(cfg.trainer.resume)
