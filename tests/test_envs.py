@@ -29,7 +29,7 @@ from laminar.rollout.io import BoardWeights, LocalBuffer, LocalPartials, LocalPr
 from laminar.rollout.loop import RolloutLoop
 from laminar.rollout.requests import sampling_params
 from laminar.tasks import build_task
-from laminar.trainer.trainer import collate
+from laminar.trainer.batching import collate
 from laminar.types import GenerationRequest, PromptGroup, SamplingParams
 from waiting import stepping, until
 
