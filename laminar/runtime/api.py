@@ -9,7 +9,7 @@ them, on a cluster; `Done` in one process); `wait`, `ready` and `result` take it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 from laminar.config import Config
 from laminar.pools.resume import ResumeSummary
@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # types only: both import torch, and the pools' processes imp
     from laminar.tasks import Task
 
 Pending: TypeAlias = Any  # a call in flight: only the runtime that made it reads it
+TrainerCall: TypeAlias = Literal["train_once", "train_streaming", "train_next", "run"]
 
 ONE_PROCESS_SCALE = ("the local backend (one process) cannot add or remove rollouts; run with "
                      "cluster.backend=ray")
@@ -51,8 +52,8 @@ class Runtime(Protocol):
     def sync_weights(self, version: int) -> None:
         """Every rollout gets to `version` (its policy says how) before this returns."""
 
-    def train(self, method: str) -> Pending:
-        """Start a trainer call: train_once | train_streaming | train_next | run."""
+    def train(self, method: TrainerCall) -> Pending:
+        """Start a trainer call (TrainerService's method of that name; `run` to the end)."""
 
     def wait(self, pending: Pending, what: str) -> Any:
         """Its value, within cluster.wait_timeout_s, or a TimeoutError naming `what`."""

@@ -33,7 +33,7 @@ from laminar.manager.actor import RolloutSpec
 from laminar.pools.resume import RESUMED, ResumeSummary, deal_resumed
 from laminar.rollout.evals import EvalJob
 from laminar.rollout.policy import Policy
-from laminar.runtime import TrainerRestarted
+from laminar.runtime.api import TrainerCall, TrainerRestarted
 from laminar.runtime.assembly import (actor_names, check_gpu_reservations, job_secret, model_source,
                                       prepare_job_pools, prompt_sampler, rollout_spec, start_manager,
                                       start_pools, start_relays, start_trainer, wait_started)
@@ -174,7 +174,7 @@ class ClusterRuntime:
         of work in flight)."""
         self.wait_all({f"weight sync of {w}": h.sync_to.remote(version) for w, h in self._live().items()})
 
-    def train(self, method: str) -> ray.ObjectRef:
+    def train(self, method: TrainerCall) -> ray.ObjectRef:
         """Start a trainer call: train_once | train_streaming | train_next | run."""
         if method == "run":
             return self.trainer.run.remote(self.cfg.trainer.total_steps)

@@ -38,7 +38,7 @@ from laminar.rollout.io import (BoardWeights, LocalBuffer, LocalPartials, LocalP
 from laminar.rollout.loop import RolloutLoop
 from laminar.rollout.policy import Policy
 from laminar.rollout.requests import sampling_params
-from laminar.runtime.api import ONE_PROCESS_SCALE
+from laminar.runtime.api import ONE_PROCESS_SCALE, TrainerCall
 from laminar.tasks import build_task
 from laminar.trainer.service import TrainerService, newest_checkpoint
 from laminar.types import RolloutSnapshot, Trajectory
@@ -194,7 +194,7 @@ class LocalRuntime:
         self._pump(lambda: all(loop.holds_version(version) for loop in self.loops),
                    f"the weight sync to version {version}")
 
-    def train(self, method: str) -> Done:
+    def train(self, method: TrainerCall) -> Done:
         if method == "run":
             return Done(self.trainer.run(self.cfg.trainer.total_steps))
         return Done(getattr(self.trainer, method)())
