@@ -45,12 +45,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from laminar.config import TrainerConfig
+from laminar.config import ConfigError, TrainerConfig
 from laminar.devices import resolve_device, to_host
+from laminar.engine.lora import base_dir, merge
 from laminar.trainer.advantage import group_advantages
 from laminar.trainer.batching import Batch, collate, split_groups
+from laminar.trainer.checkpoint import load, save
 from laminar.trainer.loss import abs_diff_summary, fresh_abs_diffs, policy_loss, token_logprobs
 from laminar.trainer.ranks import Ranks, plan_micro_batches, shard
+from laminar.trainer.shards import push_from_shards
 from laminar.types import Trajectory
 
 log = logging.getLogger("laminar.trainer")
@@ -109,10 +112,7 @@ class Trainer:
         it: the same Hugging Face model, whose target layers now hold `base_layer`, `lora_A` and
         `lora_B`. Its base is `base_dir` of the directory it was loaded from (a LoRA
         checkpoint's merged `model/` names its run's base; loading the checkpoint restores it)."""
-        from peft import LoraConfig, get_peft_model
-
-        from laminar.config import ConfigError
-        from laminar.engine.lora import base_dir
+        from peft import LoraConfig, get_peft_model  # peft: only with trainer.lora
 
         lora = self.cfg.lora
         uses: dict[int, int] = {}  # a weight under two names is tied (lm_head to the embeddings)
@@ -329,7 +329,7 @@ class Trainer:
 
     def lora_layers(self) -> dict[str, Any]:
         """trainer.lora: the adapted layers by the base model's dotted module name."""
-        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora import LoraLayer  # peft: only with trainer.lora
 
         return {name: m for name, m in self.module.named_modules() if isinstance(m, LoraLayer)}
 
@@ -347,8 +347,6 @@ class Trainer:
     def merged_state_dict(self) -> dict[str, torch.Tensor]:
         """trainer.lora: the base model's state_dict with W0 + B @ A in every adapted layer (what
         a rollout loads after pulling this version; the checkpoint's `model/` export)."""
-        from laminar.engine.lora import merge
-
         state = {name.replace(".base_layer.", "."): t.detach()
                  for name, t in self.module.state_dict().items() if ".lora_" not in name}
         return {**state, **merge(state, self.adapter_weights())}
@@ -364,21 +362,15 @@ class Trainer:
             if self.device.type != "cpu" and not hasattr(sink, "push_parts"):
                 named = to_host(named)  # a sink that keeps what it is handed gets host copies
             return sink.push(named, version)  # the relay's writer copies device -> its slot
-        from laminar.trainer.shards import push_from_shards
-
         return push_from_shards(self, sink, version, chunk_bytes)
 
     def save_checkpoint(self, path: str | Path, tokenizer: PreTrainedTokenizerBase,
                         extra: dict[str, Any] | None = None) -> Path:
         """Write atomically: into `path.tmp`, then rename; a crash never leaves half a checkpoint."""
-        from laminar.trainer.checkpoint import save
-
         return save(self, Path(path), tokenizer, extra or {})
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer, version and RNG; returns the caller state saved with it."""
-        from laminar.trainer.checkpoint import load
-
         extra = load(self, Path(path))
         self.weights_are_version = True  # the weights saved as its version
         return extra
