@@ -8,8 +8,8 @@ import inspect
 
 import pytest
 
-from laminar.config import MODES, load_config
-from laminar.modes import schedule
+from laminar.config import load_config
+from laminar.modes import MODES, schedule
 from laminar.rollout.policy import Policy
 from laminar.runtime import Runtime
 from laminar.runtime.cluster import ClusterRuntime

@@ -24,6 +24,7 @@ import torch
 
 from laminar.config import Config, ConfigError
 from laminar.engine.lora import rollout_lora
+from laminar.envs.openai_server import serve_rollout
 from laminar.models import load_pretrained
 from laminar.models.tokenizer import encode_prompt
 from laminar.pools.experience import ExperienceBuffer
@@ -105,8 +106,6 @@ class LocalRuntime:
         if self.task.load_report:
             print(self.task.load_report.summary())
         if cfg.rollout.openai_server:  # task.agent's endpoint: one for the rollouts of this process
-            from laminar.envs.openai_server import serve_rollout
-
             serve_rollout(cfg, "local")
         model, self.tokenizer = load_pretrained(self.model_dir, cfg.model.attn_implementation)
         sampler = PromptSampler(self.task.train, partial(encode_prompt, self.tokenizer),
