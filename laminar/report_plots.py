@@ -270,7 +270,7 @@ def latency_section(runs: list[Run]) -> Section:
     caption = "Sampled delays of the environment (tool call) per trajectory, all steps together."
     samples = [[float(x) for r in run.steps for x in (r.get("env_latency_s") or [])] for run in runs]
     lacking = [run for run, s in zip(runs, samples) if not s]
-    note = _missing(runs, lacking, "no environment-latency samples (rollout.env_latency is "
+    note = _missing(runs, lacking, "no environment-latency samples (bench.env_latency is "
                                    "off, or the run predates env_latency_s)")
     if len(lacking) == len(runs):
         return Section(title, caption, note=note)

@@ -3,19 +3,52 @@
 Map of the data path and the type each hop carries:
 
     PromptPool --PromptGroup--> RolloutLoop --GenerationRequest--> Engine
-    Engine --TokenDelta--> RolloutLoop --TokenUpdate--> PartialPool
+    Engine --TokenDelta--> RolloutLoop --TokenDelta (with versions)--> PartialPool
     RolloutLoop --Trajectory--> ExperienceBuffer --list[Trajectory] groups--> Trainer
     Trainer --named tensors + version--> relays --> RolloutLoop (engine.load_weights)
     RolloutLoop --RolloutSnapshot--> RolloutManager --Moved--> RolloutLoop (repack, failover)
 
 Small dataclasses, a comment per field. Add fields reluctantly. This module imports nothing
-from laminar.
+from laminar. It also names the schedules (`MODES`) and the built-in tasks (`TASKS`) once.
+
+Glossary (one word per meaning):
+- group: one prompt sampled `rollout.group_size` times (GRPO's group); the unit a rollout
+  leases, the buffer completes and the trainer samples.
+- trajectory: one sample of a group, prompt + response (+ an episode's observations);
+  `traj_id` = f"{group_id}/{i}", also its engine request id.
+- partial / in flight: a trajectory begun and not finished. Its durable record is the partial
+  pool's `PartialEntry`; as it moves between rollouts it is an `Unfinished`. `partial` mode
+  (AReaL's partial rollout) also continues one on new weights, so its tokens mix versions.
+- version: the number of a set of weights. The trainer publishes version v + 1 after each
+  step; every token and trajectory records the version that generated it. The latest (or
+  newest) version is the newest one published complete; a relay's `forwardable()` one may
+  still be arriving.
+- step: one trainer update of a global batch (`trainer.total_steps` of them); `TrainerService.steps`
+  counts them. A version equals the steps behind it unless a restart skipped numbers.
+- staleness: the trainer's version when it trains a trajectory minus the trajectory's version.
+- batch, by unit: a global batch is `trainer.prompts_per_step` groups (one step); a mini-batch
+  is 1 / `trainer.mini_batches` of it (one optimizer update); a micro-batch is at most
+  `trainer.micro_batch_tokens` padded tokens (one forward); a rollout keeps `rollout.batch_groups`
+  groups in flight; an engine decodes at most `rollout.engine.max_batch_size` sequences per
+  step; repack's batch bound B is in trajectories.
+- mode / schedule: where the waits are (laminar/modes/<mode>.py); `MODES` below.
+- episode, turn: a multi-turn trajectory with its environment (laminar/envs/); a turn is one
+  model generation (up to a stop string, EOS or its token budget).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
+
+# The schedules, one file each in laminar/modes/ and laminar/sim/schedules/ (DESIGN.md §6), in
+# the order reports list them. `laminar.config` checks `mode` against the same names.
+Mode = Literal["laminar", "sync", "one_step", "stream", "partial"]
+MODES: tuple[str, ...] = get_args(Mode)
+GLOBAL_BATCH_MODES = ("sync", "one_step", "stream")  # those whose waits come one at a time
+# The built-in tasks (laminar/tasks/, `task.name`); `laminar.config` checks against the same names.
+TaskName = Literal["reverse", "dataset", "calc", "reasoning_gym", "humaneval"]
+TASKS: tuple[str, ...] = get_args(TaskName)
 
 FinishReason = Literal["eos", "stop", "length"]
 
@@ -67,12 +100,15 @@ class GenerationRequest:
 
 @dataclass(slots=True)
 class TokenDelta:
-    """What one engine step produced for one request."""
+    """New tokens of one sequence: what one engine step produced for a request, or what a
+    rollout streams to the partial pool (every token since its last update, with versions)."""
 
-    request_id: str
-    token_ids: list[int]  # new tokens this step (usually one)
+    request_id: str  # the trajectory id (a rollout's request id is its trajectory's)
+    token_ids: list[int]  # new tokens (an engine step: usually one)
     logprobs: list[float]  # their log-probs under the sampling distribution
-    finish_reason: FinishReason | None = None  # set on the request's last delta
+    finish_reason: FinishReason | None = None  # an engine's: set on the request's last delta
+    token_versions: list[int] = field(default_factory=list)  # streamed: the weight version of
+    # each token; an engine leaves it empty (it holds one version, EngineStats.version)
 
 
 @dataclass(slots=True)
@@ -137,7 +173,9 @@ class Trajectory:
 
 @dataclass(slots=True)
 class Unfinished:
-    """A trajectory in flight as it moves between rollouts (repack, failover, retirement)."""
+    """A trajectory in flight as it moves between rollouts (repack, failover, retirement), with
+    the state that lives only in a rollout's process (its episode, its start time). The partial
+    pool's record of it, durable and naming its owner, is a `PartialEntry` (pools/partials.py)."""
 
     request: GenerationRequest  # prompt, tokens, log-probs and their versions so far
     group: PromptGroup  # the prompt (and reference answer) it samples

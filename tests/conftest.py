@@ -1,7 +1,10 @@
-"""Shared harness: one local Ray cluster per test session (starting one costs ~4 s), and the
-CPU hog of the load harness (`pytest --cpu-hog N`, `make test-under-load`; docs/testing.md).
+"""Shared harness: one local Ray cluster per test session (starting one costs ~4 s), torch on
+one thread for the modules that ask (`one_thread`), and the CPU hog of the load harness
+(`pytest --cpu-hog N`, `make test-under-load`; docs/testing.md).
 
 Tests wait on events, never on fixed sleeps: `until(what, condition)` from tests/waiting.py.
+What several files build the same way (the in-process `World`, the engine `Recorder`, the
+engine tests' prompts) is in tests/harness.py.
 """
 
 from __future__ import annotations
@@ -73,3 +76,16 @@ def ray_cluster():
                  configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`):
+    tiny matmuls gain nothing from a second thread, and on a shared 2-core machine OpenMP
+    waiting on a busy core makes every op slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

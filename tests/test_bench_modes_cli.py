@@ -41,6 +41,8 @@ def test_bench_modes_options_fail_early_with_a_clear_message(capsys):
     assert "unknown verl" in capsys.readouterr().err
     assert main(["bench", "modes", "--modes", "sync,partial"]) == 2
     assert "laminar included" in capsys.readouterr().err
+    assert main(["bench", "modes", "--task", "humaneval"]) == 2
+    assert "has a workload for reverse, calc, reasoning_gym" in capsys.readouterr().err
     assert main(["bench", "modes", "--predicted", "/nonexistent/prediction.json"]) == 2
     assert "--predicted /nonexistent/prediction.json" in capsys.readouterr().err
     assert main(["bench", "engine", "--set", "rollout.num_workers=4"]) == 2

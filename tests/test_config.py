@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from laminar.config import Config, ConfigError, load_config
 
@@ -79,12 +80,37 @@ def test_retired_keys_name_their_replacement():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["trainer.max_staleness=2", "trainer.stream_minibatches=false"])
     msg = str(e.value)
-    assert "'trainer.max_staleness': it was removed" in msg and "rollout.max_outstanding_batches" in msg
-    assert "'trainer.stream_minibatches': it was removed" in msg
+    assert "'trainer.max_staleness' = 2: it was removed" in msg and "rollout.max_outstanding_batches" in msg
+    assert "'trainer.stream_minibatches' = False: it was removed" in msg
     with pytest.raises(ConfigError, match="cluster.backend=local runs mode=sync"):
         load_config(None, ["cluster.backend=local", "mode=laminar"])
     with pytest.raises(ConfigError, match="needs rollout.engine.backend=native"):
         load_config(None, ["rollout.engine.backend=hf"])
+
+
+@pytest.mark.parametrize("old, value, new", [
+    ("trainer.resume", "runs/a/checkpoints/step_000010", "trainer.from_checkpoint"),
+    ("rollout.env_latency.enabled", "true", "bench.env_latency"),
+])
+def test_renamed_keys_name_old_key_value_and_replacement(old, value, new):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{old}={value}"])
+    msg = str(e.value)
+    assert msg.count("\n") == 1, msg  # the header and one line
+    assert f"'{old.removesuffix('.enabled')}'" in msg and f"the key is now {new}" in msg and new in msg
+    assert value in msg
+
+
+def test_a_runs_saved_config_with_renamed_keys_still_resumes(tmp_path):
+    """`laminar resume` of a run whose config.yaml an older laminar wrote (full dump, old keys)."""
+    saved = Config().model_dump(mode="json")
+    saved["trainer"]["resume"] = saved["trainer"].pop("from_checkpoint")
+    saved["rollout"]["env_latency"] = {**saved.pop("bench")["env_latency"], "median_s": 0.25}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    cfg = load_config(tmp_path / "config.yaml", saved_run=True)
+    assert cfg.bench.env_latency.median_s == 0.25 and cfg.trainer.from_checkpoint is None
+    with pytest.raises(ConfigError, match="'trainer.resume' = None: the key is now trainer.from_checkpoint"):
+        load_config(tmp_path / "config.yaml")  # a user's own file is told, not migrated
 
 
 def test_malformed_override_and_missing_file():
@@ -100,3 +126,48 @@ def test_cli_prints_one_message_without_traceback():
     assert proc.returncode == 2
     assert "unknown key 'trainer.lrr'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_config_explain_prints_description_type_default_and_allowed_values():
+    proc = subprocess.run([sys.executable, "-m", "laminar.cli", "config", "--explain",
+                           "rollout.engine.backend"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "rollout.engine.backend" and "continuous-batching" in proc.stdout
+    assert "  type:    str" in lines and "  default: 'native'" in lines
+    assert "  allowed: 'native', 'vllm'" in lines
+
+
+def test_config_explain_bounds_and_sections(capsys):
+    from laminar.cli import main
+
+    assert main(["config", "--explain", "trainer.lr"]) == 0
+    out = capsys.readouterr().out
+    assert "AdamW learning rate." in out and "type:    float (> 0.0)" in out
+    assert "default: 0.0002" in out
+    assert main(["config", "--explain", "trainer.lora"]) == 0
+    assert "optional section (unset by default) with keys: r, alpha" in capsys.readouterr().out
+
+
+def test_config_explain_unknown_key_is_one_line_with_close_matches(capsys):
+    from laminar.cli import main
+
+    assert main(["config", "--explain", "trainer.lrr"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown key 'trainer.lrr'" in err and "'trainer.lr'" in err
+    assert main(["config", "--explain", "seed"]) == 2  # the same leaf in several sections
+    err = capsys.readouterr().err
+    assert "'trainer.seed'" in err and "'task.seed'" in err
+    assert main(["config", "--explain", "trainer.resume"]) == 2
+    assert "is now trainer.from_checkpoint" in capsys.readouterr().err
+
+
+def test_every_listed_key_explains(capsys):
+    from laminar.cli import main
+    from laminar.config.explain import every_key, explain
+
+    assert main(["config"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert "trainer.lr = 0.0002" in listed and len(listed) > 100
+    for line in every_key().splitlines():
+        assert explain(line.split(" = ")[0])

@@ -15,12 +15,12 @@ import pytest
 
 from laminar.config import ConfigError
 from laminar.pools.experience import ExperienceBuffer
-from laminar.pools.partials import PartialPool, TokenUpdate
+from laminar.pools.partials import PartialPool
 from laminar.pools.prompts import PromptPool, PromptSampler
 from laminar.pools.resume import RESUMED, check_lineage, lineage, reconcile
 from laminar.pools.store import MemoryStore, SqliteStore
 from laminar.rollout.requests import group_requests
-from laminar.types import PromptItem, SamplingParams, Trajectory
+from laminar.types import PromptItem, SamplingParams, TokenDelta, Trajectory
 
 ITEMS = [PromptItem(i, f"p{i}=", f"a{i}") for i in range(6)]
 
@@ -85,7 +85,7 @@ def test_pools_restore_from_the_database_as_they_were(tmp_path):
     params = SamplingParams(max_new_tokens=8)
     partials.register_many("rollout0", [(g, group_requests(g, params)) for g in groups])
     tid = f"{groups[1].group_id}/0"
-    partials.update("rollout0", [TokenUpdate(tid, [5, 6], [-0.5, -0.6], [0, 0])])
+    partials.update("rollout0", [TokenDelta(tid, [5, 6], [-0.5, -0.6], token_versions=[0, 0])])
     partials.flush()
     assert buffer.put_many([traj(groups[0].group_id, 0), traj(groups[0].group_id, 1),
                             traj(groups[2].group_id, 0)]) == [groups[0].group_id]
@@ -133,9 +133,9 @@ def test_reconcile_after_a_kill(tmp_path):
     buffer.sample(1, trainer_version=1)
     # g2: one sample in the buffer, the other streamed 2 tokens by version 1 (gone after the kill)
     buffer.put_many([traj(g[2].group_id, 0)])
-    partials.update("rollout0", [TokenUpdate(f"{g[2].group_id}/1", [7, 7], [-1.0, -1.0], [1, 1])])
+    partials.update("rollout0", [TokenDelta(f"{g[2].group_id}/1", [7, 7], [-1.0, -1.0], token_versions=[1, 1])])
     # g3: both in flight with version 0 (the checkpoint's weights: they continue)
-    partials.update("rollout0", [TokenUpdate(f"{g[3].group_id}/0", [9], [-1.0], [0])])
+    partials.update("rollout0", [TokenDelta(f"{g[3].group_id}/0", [9], [-1.0], token_versions=[0])])
     partials.flush()
     prompts.flush()  # g4 leased, nothing generated
 
@@ -238,7 +238,7 @@ def test_reconcile_keeps_mixed_version_tokens_for_partial_rollout(tmp_path):
     prompts, partials, _ = pools(db)
     g = prompts.lease("rollout0", 1, now=0.0)[0]
     partials.register_many("rollout0", [(g, group_requests(g, SamplingParams(max_new_tokens=8)))])
-    partials.update("rollout0", [TokenUpdate(f"{g.group_id}/0", [7, 8], [-1.0, -1.0], [3, 4])])
+    partials.update("rollout0", [TokenDelta(f"{g.group_id}/0", [7, 8], [-1.0, -1.0], token_versions=[3, 4])])
     partials.flush()
     summary = reconcile(SqliteStore(db), checkpoint_version=2, rollout_version=2, mixes_versions=True)
     assert (summary.continued, summary.regenerated) == (1, 0)

@@ -18,45 +18,14 @@ from laminar.engine import Engine, HFEngine
 from laminar.models import BOS_ID, EOS_ID, PAD_ID, build_preset, load_pretrained, save_pretrained
 from laminar.models.tokenizer import build_char_tokenizer
 from laminar.types import GenerationRequest, SamplingParams
+from harness import GREEDY, make_prompts, requests, sharpen
 
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from a second thread, and on a shared 2-core machine OpenMP
-    waiting on a busy core makes every op slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def sharpen(model: torch.nn.Module, factor: float = 8.0) -> torch.nn.Module:
-    """Scale the decoder layers' matrices. At the default init the tied embedding dominates the
-    residual stream and greedy decoding just repeats the last prompt token, which would hide any
-    attention or KV-cache bug; scaled up, the greedy path depends on the whole context."""
-    with torch.no_grad():
-        for param in model.model.layers.parameters():
-            if param.dim() == 2:
-                param.mul_(factor)
-    return model.eval()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def model():
     return sharpen(build_preset("tiny", seed=3))
-
-
-def make_prompts(n: int, seed: int = 0, lo: int = 2, hi: int = 30) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[BOS_ID] + [rng.randrange(4, 104) for _ in range(rng.randrange(lo, hi))]
-            for _ in range(n)]
-
-
-def requests(prompts: list[list[int]], params: SamplingParams = GREEDY, prefix: str = "r"
-             ) -> list[GenerationRequest]:
-    return [GenerationRequest(f"{prefix}{i}", list(p), params) for i, p in enumerate(prompts)]
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int = EOS_ID) -> list[int]:

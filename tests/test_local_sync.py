@@ -55,7 +55,8 @@ def test_resume_gives_the_identical_next_step(tmp_path):
 
     resumed = tmp_path / "resumed"
     cfg = load_config("examples/reverse-sync.yaml",
-                      SMALL + [f"run_dir={resumed}", "trainer.total_steps=3", f"trainer.resume={ckpt}"])
+                      SMALL + [f"run_dir={resumed}", "trainer.total_steps=3",
+                              f"trainer.from_checkpoint={ckpt}"])
     run(cfg)
     step3 = read_metrics(full)[-1]
     again = read_metrics(resumed)

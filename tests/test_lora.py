@@ -189,12 +189,12 @@ def test_start_weights_refuse_what_would_mix_bases(tmp_path):
     with pytest.raises(ConfigError, match="merged export of a LoRA checkpoint"):
         start_weights(load_config(None, [*LORA, *common, f"model.path={ckpt / 'model'}"]))
     with pytest.raises(ConfigError, match="holds LoRA adapters"):
-        start_weights(load_config(None, [*common, f"trainer.resume={ckpt}"]))
-    path, version = start_weights(load_config(None, [*LORA, *common, f"trainer.resume={ckpt}"]))
+        start_weights(load_config(None, [*common, f"trainer.from_checkpoint={ckpt}"]))
+    path, version = start_weights(load_config(None, [*LORA, *common, f"trainer.from_checkpoint={ckpt}"]))
     assert path == str(ckpt / "model") and version == 0
     (base_path / "config.json").unlink()  # the run's base is gone
     with pytest.raises(ConfigError, match="lora_base"):
-        start_weights(load_config(None, [*LORA, *common, f"trainer.resume={ckpt}"]))
+        start_weights(load_config(None, [*LORA, *common, f"trainer.from_checkpoint={ckpt}"]))
 
 
 TINY = ["sft.enabled=false", "task.reverse.max_len=8", "rollout.max_new_tokens=9",

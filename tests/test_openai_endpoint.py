@@ -9,7 +9,6 @@ environment API says. The last test trains three steps on Ray with an agent."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import http.client
 import json
@@ -19,7 +18,6 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 
 from laminar.config import ConfigError, load_config
 from laminar.engine import Engine
@@ -31,6 +29,7 @@ from laminar.models import EOS_ID, PAD_ID, build_preset
 from laminar.models.tokenizer import build_char_tokenizer
 from laminar.tasks import build_task
 from laminar.types import GenerationRequest, PromptGroup, SamplingParams
+from harness import Recorder
 
 AGENTS = '''
 import asyncio
@@ -154,14 +153,7 @@ async def two_at_once(client, sample):
 '''
 
 STOP_IDS = tuple(range(100, 128))  # the tiny random model's turns end after a few tokens
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -175,23 +167,6 @@ def agent_task(path: Path, name: str):
     cfg = load_config(None, [f"task.agent={path}:{name}", "rollout.openai_server=true",
                              "task.reverse.max_len=6"])
     return build_task(cfg.task)
-
-
-class Recorder:
-    """The engine, with every token it generated recorded per request."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine, self.tokens, self.logprobs = engine, {}, {}
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def step(self):
-        deltas = self.engine.step()
-        for d in deltas:
-            self.tokens.setdefault(d.request_id, []).extend(d.token_ids)
-            self.logprobs.setdefault(d.request_id, []).extend(d.logprobs)
-        return deltas
 
 
 def run(task, tokenizer, n: int, max_turns: int = 4, budget: int = 400, timeout_s: float = 20.0):

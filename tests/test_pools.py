@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from laminar.pools.experience import ExperienceBuffer
-from laminar.pools.partials import PartialPool, TokenUpdate
+from laminar.pools.partials import PartialPool
 from laminar.pools.prompts import PromptPool, PromptSampler
-from laminar.types import GenerationRequest, PromptItem, Trajectory
+from laminar.types import GenerationRequest, PromptItem, TokenDelta, Trajectory
 
 ITEMS = [PromptItem(i, f"p{i}=", f"a{i}") for i in range(5)]
 
@@ -80,8 +80,8 @@ def test_partial_pool_streams_and_moves_entries():
     reqs = [GenerationRequest(f"{group.group_id}/{i}", group.prompt_ids) for i in range(2)]
     pool.register("a", group, reqs)
     tid = reqs[0].request_id
-    assert pool.update("a", [TokenUpdate(tid, [5, 6], [-0.1, -0.2], [3, 3])]) == 1
-    assert pool.update("b", [TokenUpdate(tid, [7], [-0.3], [3])]) == 0  # not the owner
+    assert pool.update("a", [TokenDelta(tid, [5, 6], [-0.1, -0.2], token_versions=[3, 3])]) == 1
+    assert pool.update("b", [TokenDelta(tid, [7], [-0.3], token_versions=[3])]) == 0  # not the owner
     entry = pool.entries[tid]
     assert entry.request.output_ids == [5, 6] and entry.request.version == 3
     aborted = GenerationRequest(tid, group.prompt_ids, output_ids=[5, 6, 7], logprobs=[-0.1, -0.2, -0.3],
@@ -119,3 +119,19 @@ def test_custom_policy_is_checked():
     buf.put(_t("b", 0))
     with pytest.raises(ValueError, match="sampling policy returned"):
         buf.sample(2, 0)
+
+
+def test_pool_specs_build_the_pools_of_a_job_from_its_config():
+    """Both runtimes assemble the pools from `pool_specs` (in process, or one Ray actor each)."""
+    from laminar.config import load_config
+    from laminar.pools.build import POOLS, pool_specs
+
+    cfg = load_config(None, ["rollout.group_size=3", "cluster.wait_timeout_s=50", "task.seed=4"])
+    specs = pool_specs(cfg, ITEMS, encode, max_outstanding=7, db=None)
+    prompts, partials, buffer = (specs[k].build() for k in POOLS)
+    assert isinstance(partials, PartialPool) and len(partials) == 0
+    assert prompts.lease_timeout_s == 100 and prompts.max_outstanding == 7
+    assert buffer.group_size == 3
+    again = PromptSampler(ITEMS, encode, num_samples=3, seed=4)
+    assert [prompts.sampler.next_group().item.index for _ in range(5)] == \
+        [again.next_group().item.index for _ in range(5)]

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import ray
-import torch
 
 from laminar.config import load_config
 from laminar.engine import Engine
@@ -116,11 +115,8 @@ def test_a_missing_knee_is_measured_once_and_cached(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def model():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield build_preset("tiny", seed=0).eval()
-    torch.set_num_threads(before)
+def model(one_thread):
+    return build_preset("tiny", seed=0).eval()
 
 
 def test_the_engine_counts_re_prefills_of_resumed_requests_only(model):
@@ -157,12 +153,13 @@ def test_preemption_re_prefills_are_not_counted_as_moves(model):
 
 
 def test_a_moved_trajectory_keeps_its_start_so_its_latency_counts_the_time_before_the_move():
-    from test_rollout_loop import OVERRIDES, World, step_until
+    from harness import World, step_until
+    from test_rollout_loop import OVERRIDES
 
     from laminar.modes import schedule
 
     cfg = load_config(None, [*OVERRIDES, "rollout.max_new_tokens=40", "task.reverse.max_len=30"])
-    w = World("laminar", cfg)
+    w = World(cfg, "laminar")
     src, dst = w.loop("src"), w.loop("dst", schedule("sync").policy(cfg))  # dst admits nothing
     step_until(src, lambda: src.in_flight and all(r.output_ids for r, _ in src.in_flight.values()))
     time.sleep(0.3)  # the moved trajectories are at least this old

@@ -26,10 +26,10 @@ JOB = {
     "task": {"reverse": {"max_len": 12}, "eval_prompts": 8},
     "rollout": {"max_new_tokens": 13, "group_size": 2, "num_workers": 2, "batch_groups": 2,
                 "engine": {"max_batch_size": 8}, "max_outstanding_batches": 2,
-                "stream_every": 4, "stream_interval_s": 0.05,  # in-flight tokens on record
-                # tool calls of ~0.2 s: an update takes a few tenths of a second even on an idle
-                # machine, so a kill lands mid-run and not after the end
-                "env_latency": {"enabled": True, "median_s": 0.2, "sigma": 0.5, "max_s": 1.0}},
+                "stream_every": 4, "stream_interval_s": 0.05},  # in-flight tokens on record
+    # tool calls of ~0.2 s: an update takes a few tenths of a second even on an idle machine, so
+    # a kill lands mid-run and not after the end
+    "bench": {"env_latency": {"enabled": True, "median_s": 0.2, "sigma": 0.5, "max_s": 1.0}},
     "cluster": {"virtual_nodes": 2, "wait_timeout_s": 120, "heartbeat_s": 1.0, "num_cpus": 4},
     "manager": {"interval_s": 0.2},
     "trainer": {"prompts_per_step": 4, "threads": 1, "total_steps": 15, "checkpoint_every": 3,

@@ -222,7 +222,7 @@ def test_the_loop_completes_groups_whose_samples_failed(tmp_path, monkeypatch):
     buffer = ExperienceBuffer(4)
     io = RolloutIO(LocalPrompts(prompts), LocalPartials(PartialPool()), LocalBuffer(buffer),
                    BoardWeights(WeightBoard()))
-    finisher = Finisher(task, tok, cfg.rollout.env_latency, 0, open_rewards(cfg.task))
+    finisher = Finisher(task, tok, cfg.bench.env_latency, 0, open_rewards(cfg.task))
     loop = RolloutLoop("r0", Engine(build_preset("tiny", seed=0), EOS_ID, PAD_ID, max_batch_size=16),
                        io, policy, finisher, sampling_params(cfg), cfg.rollout, heartbeat_s=1.0)
     try:

@@ -4,75 +4,19 @@ interrupt, export/adopt, and a finished trajectory carrying the version that gen
 
 from __future__ import annotations
 
-import copy
-from functools import partial
-
 import pytest
-import torch
 
-from laminar.config import TaskConfig, load_config
-from laminar.engine import Engine
-from laminar.models import EOS_ID, PAD_ID, build_preset
-from laminar.models.tokenizer import build_char_tokenizer, encode_prompt
+from laminar.config import load_config
 from laminar.modes import schedule
-from laminar.pools.experience import ExperienceBuffer
-from laminar.pools.partials import PartialPool
-from laminar.pools.prompts import PromptPool, PromptSampler
-from laminar.rollout.finish import Finisher
-from laminar.rollout.io import BoardWeights, LocalBuffer, LocalPartials, LocalPrompts, RolloutIO, WeightBoard
-from laminar.rollout.loop import RolloutLoop
 from laminar.rollout.policy import LoopState
-from laminar.rollout.requests import sampling_params
-from laminar.tasks import build_task
-from waiting import stepping
+from harness import World, step_until
 
 OVERRIDES = ["sft.enabled=false", "task.reverse.max_len=6", "rollout.max_new_tokens=7",
              "rollout.group_size=2", "rollout.batch_groups=2", "rollout.stream_every=2",
              "rollout.stream_interval_s=0", "rollout.version_lag=2", "trainer.prompts_per_step=2",
              "rollout.max_outstanding_batches=4"]
 CFG = load_config(None, OVERRIDES)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-class World:
-    """The pools, a weight board, and any number of loops over them."""
-
-    def __init__(self, mode: str, cfg=CFG) -> None:
-        self.cfg, self.policy = cfg, schedule(mode).policy(cfg)
-        self.tokenizer = build_char_tokenizer()
-        self.task = build_task(TaskConfig(**cfg.task.model_dump()))
-        sampler = PromptSampler(self.task.train, partial(encode_prompt, self.tokenizer),
-                                cfg.rollout.group_size, seed=0)
-        self.prompts = PromptPool(sampler, 600.0, self.policy.max_outstanding)
-        self.partials = PartialPool()
-        self.buffer = ExperienceBuffer(cfg.rollout.group_size)
-        self.board = WeightBoard()
-        self.model = build_preset("tiny", seed=0)
-
-    def loop(self, rollout_id: str = "r0", policy=None) -> RolloutLoop:
-        engine = Engine(copy.deepcopy(self.model), EOS_ID, PAD_ID, max_batch_size=8)
-        io = RolloutIO(LocalPrompts(self.prompts), LocalPartials(self.partials),
-                       LocalBuffer(self.buffer), BoardWeights(self.board))
-        finisher = Finisher(self.task, self.tokenizer, self.cfg.rollout.env_latency, 0)
-        return RolloutLoop(rollout_id, engine, io, policy or self.policy, finisher,
-                           sampling_params(self.cfg), self.cfg.rollout, heartbeat_s=1.0)
-
-    def publish(self, version: int, seed: int) -> None:
-        self.board.publish(dict(build_preset("tiny", seed=seed).named_parameters()), version)
-
-    def trained(self) -> list:
-        return [t for g in self.buffer.complete for t in g]
-
-
-def step_until(loop: RolloutLoop, done) -> None:
-    stepping(f"loop {loop.id} to get there", loop.step, done)  # puts are batched every FLUSH_S
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------- policies, pure
@@ -122,7 +66,7 @@ def test_partial_policy_interrupts_when_the_update_arrives():
 
 
 def test_a_requested_batch_reaches_the_buffer_and_leaves_nothing_behind():
-    w = World("sync")
+    w = World(CFG, "sync")
     loop = w.loop()
     loop.request_groups(3)
     step_until(loop, lambda: loop.batch_done)
@@ -136,7 +80,7 @@ def test_a_requested_batch_reaches_the_buffer_and_leaves_nothing_behind():
 
 
 def test_laminar_drains_pulls_and_keeps_one_version_per_trajectory():
-    w = World("laminar")
+    w = World(CFG, "laminar")
     loop = w.loop()
     step_until(loop, lambda: loop.in_flight)
     assert len(loop.in_flight) == 4  # batch_groups x group_size admitted at once
@@ -157,7 +101,7 @@ def test_laminar_drains_pulls_and_keeps_one_version_per_trajectory():
 
 def test_partial_interrupts_in_flight_work_and_each_token_keeps_its_version():
     cfg = load_config(None, [*OVERRIDES, "rollout.max_new_tokens=40", "task.reverse.max_len=30"])
-    w = World("partial", cfg)
+    w = World(cfg, "partial")
     loop = w.loop()
     step_until(loop, lambda: loop.in_flight and all(len(r.output_ids) >= 2 for r, _ in loop.in_flight.values()))
     w.publish(1, seed=1)
@@ -173,12 +117,12 @@ def test_partial_interrupts_in_flight_work_and_each_token_keeps_its_version():
 def test_exported_work_finishes_elsewhere_exactly_as_it_would_have():
     """Repack: the moved trajectory's greedy tokens equal those of an unmoved run."""
     greedy = load_config(None, [*OVERRIDES, "rollout.temperature=0"])
-    alone = World("laminar", greedy)
+    alone = World(greedy, "laminar")
     ref = alone.loop()
     step_until(ref, lambda: len(alone.buffer.complete) >= 2)
     expected = {t.traj_id: t.response_ids for t in alone.trained()}
 
-    w = World("laminar", greedy)
+    w = World(greedy, "laminar")
     src = w.loop("src")
     dst = w.loop("dst", schedule("sync").policy(greedy))  # admits nothing of its own
     step_until(src, lambda: src.in_flight and all(r.output_ids for r, _ in src.in_flight.values()))
@@ -195,7 +139,7 @@ def test_exported_work_finishes_elsewhere_exactly_as_it_would_have():
 
 
 def test_adopt_refuses_other_versions_unless_the_schedule_mixes_them():
-    w = World("laminar")
+    w = World(CFG, "laminar")
     src = w.loop("src")
     step_until(src, lambda: src.in_flight and all(r.output_ids for r, _ in src.in_flight.values()))
     moved = src.export()
@@ -203,7 +147,7 @@ def test_adopt_refuses_other_versions_unless_the_schedule_mixes_them():
     w.publish(5, seed=5)
     other.engine.load_weights(w.board.tensors, 5)
     assert not other.adopt(moved)  # laminar: a trajectory never changes version
-    mixing = World("partial").loop()
+    mixing = World(CFG, "partial").loop()
     mixing.engine.load_weights(w.board.tensors, 5)
     assert mixing.adopt(moved)
 

@@ -100,7 +100,7 @@ def test_missing_backend_is_a_config_error_naming_the_key(tmp_path: Path, monkey
     assert f"metrics.{key}=false" in message
 
 
-class Recorder:
+class FakeBackend:
     """Stands in for a backend module (or its run object): records every call."""
 
     def __init__(self) -> None:
@@ -120,7 +120,7 @@ class Recorder:
 
 
 def test_wandb_sink_maps_rows_like_tensorboard(tmp_path: Path, monkeypatch) -> None:
-    fake = Recorder()
+    fake = FakeBackend()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     rows, _ = write_run(tmp_path, MetricsConfig(tensorboard=False, wandb=True, wandb_project="p"))
     ((_, init_kwargs),) = fake.named("init")
@@ -138,7 +138,7 @@ def test_wandb_sink_maps_rows_like_tensorboard(tmp_path: Path, monkeypatch) -> N
 
 
 def test_mlflow_sink_maps_rows_at_their_steps(tmp_path: Path, monkeypatch) -> None:
-    fake = Recorder()
+    fake = FakeBackend()
     monkeypatch.setitem(sys.modules, "mlflow", fake)
     write_run(tmp_path, MetricsConfig(tensorboard=False, mlflow=True, mlflow_tracking_uri="file:x"))
     assert fake.named("set_tracking_uri")[0][0] == ("file:x",)

@@ -86,6 +86,7 @@ def test_a_version_number_is_never_reused_after_a_kill_right_after_its_push(tmp_
     restarted = TrainerService(cfg, str(tmp_path / "model"), service.data, BoardPush(board),
                                restarted=True)
     assert restarted.trainer.version == 1  # numbers on after version 1: its next push is 2
+    assert restarted.steps == 0  # the update of version 1 is lost: no step counted
     # its weights are the checkpoint's (none yet: the start's), not version 1's: an update on
     # version-1 samples compares no log-probs with them; the next one's weights are 2's
     assert not restarted.trainer.weights_are_version
@@ -94,6 +95,7 @@ def test_a_version_number_is_never_reused_after_a_kill_right_after_its_push(tmp_
         for t in group:
             t.version = version
         stats = restarted.trainer.train_step(group)
+        assert restarted.steps == version  # one step per update, the skipped number not one
         if version == 1:
             assert stats["logprob_abs_diff_mean"] is None and stats["logprob_abs_diff_p99"] is None
         else:  # the recorded -1.0 are not the model's: a large mismatch

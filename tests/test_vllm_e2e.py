@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from laminar.config import load_config
-from laminar.metrics import read_metrics
+from laminar.metrics import read_metrics, read_rows
 from laminar.models import load_pretrained
 from laminar.modes import run_training
 
@@ -31,8 +31,9 @@ TINY_VLLM = ["sft.enabled=false", "task.reverse.max_len=8", "rollout.max_new_tok
              "manager.interval_s=0.2", "task.eval_prompts=8", "mode=laminar"]
 
 
-def test_laminar_mode_on_vllm_trains_every_group_exactly_once(tmp_path, ray_cluster):
-    cfg = load_config(None, TINY_VLLM + [f"run_dir={tmp_path}"])
+@pytest.mark.parametrize("mode", ["laminar", pytest.param("sync", marks=pytest.mark.slow)])
+def test_a_job_on_vllm_trains_every_group_exactly_once(mode, tmp_path, ray_cluster):
+    cfg = load_config(None, TINY_VLLM + [f"run_dir={tmp_path}", f"mode={mode}"])
     report = run_training(cfg)
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -48,8 +49,15 @@ def test_laminar_mode_on_vllm_trains_every_group_exactly_once(tmp_path, ray_clus
     assert acct["completed"] == acct["consumed"] + buffer["ready_groups"]
     for t in trained:
         assert t["staleness"] == t["trained_at"] - t["version"]
-        assert t["token_versions"] is None  # laminar mode: one version per trajectory
+        assert t["token_versions"] is None  # one version per trajectory
+    if mode == "sync":
+        assert {t["staleness"] for t in trained} == {0}
     assert max(t["version"] for t in trained) >= 1  # the engines did load newer weights
+    # held-out evaluation on the vllm backend (the evaluator's own engine beside the rollout's):
+    # at the start and at the end, on the last version
+    evals = read_rows(tmp_path, "eval")
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == STEPS and evals[-1]["version"] >= STEPS
+    assert all(e["num_prompts"] == 8 for e in evals)
     assert {r["engine_backend"] for r in rows} == {"vllm"}
     # engine vs trainer log-probs on tokens sampled at the trainer's version (None: a step had
     # none); they pass through the relay and the in-place loads
@@ -57,7 +65,6 @@ def test_laminar_mode_on_vllm_trains_every_group_exactly_once(tmp_path, ray_clus
     assert mismatch and max(mismatch) <= 1e-4, mismatch
 
 
-@pytest.mark.slow  # ~5 min here: finish() waits cluster.wait_timeout_s for evaluations never reported
 def test_vllm_rollouts_with_lora_survive_a_repack_move_and_a_sigkill(tmp_path, ray_cluster):
     """One laminar job on two vLLM rollouts with trainer.lora (adapter-only versions, merged on
     the rollouts into W0 + B @ A and loaded into vLLM in place): a forced repack move from

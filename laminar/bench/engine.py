@@ -53,17 +53,18 @@ from pathlib import Path
 
 import torch
 
+from laminar.bench.backends import (MAX_BATCH_SIZE, bench_backends, bench_model, check_lengths,
+                                    make_requests, run_engine)
 from laminar.bench.provenance import provenance
 from laminar.config import ConfigError, ReverseTaskConfig
+from laminar.devices import resolve_device
 from laminar.engine import Engine, HFEngine
-from laminar.engine.protocol import RolloutEngine
 from laminar.engine import knee as engine_knee
-from laminar.models import PAD_ID, build_char_tokenizer, build_preset, encode_prompt, load_pretrained
+from laminar.models import PAD_ID, build_char_tokenizer, build_preset, encode_prompt
 from laminar.tasks.reverse import make_prompts
 from laminar.types import GenerationRequest, SamplingParams
 
 BATCH_SIZES = (1, 8, 32, 64, 128)
-MAX_BATCH_SIZE = 64
 THREADS = 1
 
 
@@ -72,12 +73,6 @@ def build_workload(num_requests: int, seed: int = 0) -> list[tuple[list[int], in
     tokenizer = build_char_tokenizer()
     items = make_prompts(ReverseTaskConfig(), num_requests, seed)
     return [(encode_prompt(tokenizer, item.prompt), len(item.answer) + 1) for item in items]
-
-
-def make_requests(workload: list[tuple[list[int], int]]) -> list[GenerationRequest]:
-    return [GenerationRequest(f"b{i}", list(prompt),
-                              SamplingParams(temperature=1.0, max_new_tokens=num_new))
-            for i, (prompt, num_new) in enumerate(workload)]
 
 
 def step_counts(lengths: list[int], max_batch: int) -> tuple[int, int]:
@@ -89,21 +84,6 @@ def step_counts(lengths: list[int], max_batch: int) -> tuple[int, int]:
 
 def run_native(model, workload, max_batch: int, no_eos: int) -> dict:
     return run_engine(Engine(model, no_eos, PAD_ID, max_batch_size=max_batch), workload)
-
-
-def run_engine(engine: RolloutEngine, workload) -> dict:
-    """Time one engine (any backend) through the workload, through the protocol only."""
-    requests = make_requests(workload)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for request in requests:
-        engine.add(request)
-    steps = 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    _check_lengths(requests, workload)
-    return dict(seconds=seconds, cpu_seconds=cpu_seconds, steps=steps, requests=requests)
 
 
 def attention_padding(model, workload, max_batch: int, no_eos: int) -> float:
@@ -131,15 +111,8 @@ def run_static(model, workload, max_batch: int, no_eos: int) -> dict:
     start, cpu_start = time.perf_counter(), time.process_time()
     engine.generate(requests)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    _check_lengths(requests, workload)
+    check_lengths(requests, workload)
     return dict(seconds=seconds, cpu_seconds=cpu_seconds)
-
-
-def _check_lengths(requests: list[GenerationRequest], workload) -> None:
-    for request, (_, num_new) in zip(requests, workload):
-        if len(request.output_ids) != num_new:
-            raise RuntimeError(f"{request.request_id} produced {len(request.output_ids)} tokens, "
-                               f"expected {num_new}: the two backends would not do the same work")
 
 
 def native_decode_latency(model, batch: int, no_eos: int, steps: int) -> tuple[float, float]:
@@ -182,94 +155,9 @@ def _latency_prompt(i: int) -> list[int]:
     return [1] + [10 + (i + j) % 60 for j in range(11)]  # BOS + 11 characters
 
 
-def load_s_per_mb(engine: RolloutEngine | torch.nn.Module, named: dict[str, torch.Tensor],
-                  repeats: int = 5) -> float:
-    """Median seconds per MB of an in-place load of `named` into an engine (`load_weights`,
-    a new version each time) or a module (`load_state_dict`, the baseline)."""
-    megabytes = sum(t.numel() * t.element_size() for t in named.values()) / 1e6
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        if isinstance(engine, torch.nn.Module):
-            engine.load_state_dict(named)
-        else:
-            engine.load_weights(named, engine.version + 1)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / megabytes
-
-
-@torch.no_grad()
-def logprob_abs_diff(model, requests: list[GenerationRequest]) -> torch.Tensor:
-    """|recorded log-prob - the trainer's recompute| per token (fp32, teacher-forced)."""
-    from laminar.trainer.loss import token_logprobs
-
-    diffs = []
-    for r in requests:
-        ids = torch.tensor([r.prompt_ids + r.output_ids])
-        logits = model(ids).logits[:, len(r.prompt_ids) - 1:-1].float()
-        ref = token_logprobs(logits, torch.tensor([r.output_ids]), r.params.temperature)[0]
-        diffs.append((ref - torch.tensor(r.logprobs)).abs())
-    return torch.cat(diffs)
-
-
-def bench_vllm(model, preset: str, workload, repeats: int, no_eos: int,
-               other: dict[str, torch.Tensor]) -> dict:
-    """vLLM's engine on the workload, its weight loads and its log-prob agreement with the
-    trainer."""
-    from laminar.engine.vllm_engine import VLLMEngine
-
-    start = time.perf_counter()
-    engine = VLLMEngine(model, no_eos, PAD_ID, max_batch_size=MAX_BATCH_SIZE)
-    start_s = time.perf_counter() - start
-    try:
-        run_engine(engine, workload[:MAX_BATCH_SIZE])  # warm
-        runs = [run_engine(engine, workload) for _ in range(repeats)]
-        diffs = logprob_abs_diff(model, runs[-1]["requests"][:64])
-        load = load_s_per_mb(engine, other)
-    finally:
-        engine.close()
-    return dict(seconds=statistics.median(r["seconds"] for r in runs), start_s=start_s,
-                load_s_per_mb=load, logprob_mean=diffs.mean().item(),
-                logprob_p99=torch.quantile(diffs, 0.99).item(), logprob_tokens=len(diffs))
-
-
-def bench_model(preset: str, seed: int = 0) -> torch.nn.Module:
-    """A preset built from config, or a model directory (`--model DIR`, e.g. the GPU check's
-    0.5B-shaped one; its vocabulary must hold laminar's char tokens). `seed` != 0 of a
-    directory: its weights plus seeded noise (other weights of the same shapes, to load)."""
-    if not Path(preset).is_dir():
-        return build_preset(preset, seed=seed)
-    model, _ = load_pretrained(preset)
-    if seed:
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 1e-3)
-    return model
-
-
-def bench_backends(model, preset: str, workload, repeats: int, no_eos: int,
-                   native_s: float) -> dict:
-    """The `backends` table: native and vLLM tokens/s and weight-load times, one workload."""
-    total = sum(n for _, n in workload)
-    other = {k: v.clone() for k, v in bench_model(preset, seed=1).state_dict().items()}
-    native = Engine(bench_model(preset).eval(), no_eos, PAD_ID, max_batch_size=MAX_BATCH_SIZE)
-    backends = {"native": dict(tokens_per_s=total / native_s,
-                               load_s_per_mb=load_s_per_mb(native, other))}
-    baseline = load_s_per_mb(bench_model(preset), other)
-    vllm = bench_vllm(model, preset, workload, repeats, no_eos, other)
-    backends["vllm"] = dict(tokens_per_s=total / vllm["seconds"],
-                            load_s_per_mb=vllm["load_s_per_mb"], start_s=vllm["start_s"])
-    return dict(backends=backends, load_state_dict_s_per_mb=baseline,
-                ratio_vllm_vs_native=backends["vllm"]["tokens_per_s"] / (total / native_s),
-                logprob_abs_diff_mean_vllm=vllm["logprob_mean"],
-                logprob_abs_diff_p99_vllm=vllm["logprob_p99"],
-                logprob_tokens_vllm=vllm["logprob_tokens"])
-
-
 def bench_preset(preset: str, num_requests: int, repeats: int, latency_steps: int,
-                 backends: tuple[str, ...] = ("native",)) -> dict:
-    model = bench_model(preset).eval()
+                 backends: tuple[str, ...] = ("native",), device: str = "cpu") -> dict:
+    model = bench_model(preset).eval().to(device)
     no_eos = model.config.vocab_size  # never sampled: every request runs to its drawn length
     workload = build_workload(num_requests)
     lengths = [num_new for _, num_new in workload]
@@ -296,7 +184,7 @@ def bench_preset(preset: str, num_requests: int, repeats: int, latency_steps: in
     padding = attention_padding(model, workload, MAX_BATCH_SIZE, no_eos)
     ratio = static_s / native_s
     ideal = static_steps / ideal_steps
-    versus = (bench_backends(model, preset, workload, repeats, no_eos, native_s)
+    versus = (bench_backends(model, preset, workload, repeats, no_eos, native_s, device)
               if "vllm" in backends else {})
     return dict(
         preset=preset, num_requests=num_requests, max_batch_size=MAX_BATCH_SIZE,
@@ -365,8 +253,11 @@ def print_report(results: list[dict]) -> None:
 
 
 def main(quick: bool = False, out: str | None = None, backends: str = "native",
-         model: str | None = None) -> dict:
-    """`model`: a model directory measured instead of the presets (no knee cache written)."""
+         model: str | None = None, device: str = "cpu") -> dict:
+    """`model`: a model directory measured instead of the presets (no knee cache written).
+    `device`: where the native and static engines run (`cuda` on a GPU machine; vLLM picks its
+    own); the knee cache is written for the CPU only (the rollout manager reads it there)."""
+    device = str(resolve_device(device, "--device"))
     if model is not None and not Path(model).is_dir():
         raise ConfigError(f"--model {model!r} is not a directory; pass a Hugging Face model "
                           "directory (config.json + safetensors), or leave it out for the presets")
@@ -381,7 +272,7 @@ def main(quick: bool = False, out: str | None = None, backends: str = "native",
         raise ConfigError(f"--backend {backends!r}: expected 'native' or 'native,vllm' (native is "
                           "the reference every backend is compared with)")
     try:
-        results = [bench_preset(preset, **sizes, backends=names) for preset in presets]
+        results = [bench_preset(preset, **sizes, backends=names, device=device) for preset in presets]
     finally:
         torch.set_num_threads(threads)
     print_report(results)
@@ -389,11 +280,11 @@ def main(quick: bool = False, out: str | None = None, backends: str = "native",
     load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     print(f"load average (1 min) before/after: {load[0]} / {load[1]} on {os.cpu_count()} CPUs")
     config = {"quick": quick, "presets": list(presets), **sizes, "threads": THREADS,
-              "backends": list(names),
+              "backends": list(names), "device": device,
               "max_batch_size": MAX_BATCH_SIZE, "batch_sizes": list(BATCH_SIZES)}
     report = {**results[0], "threads": THREADS, "load_average_before_after": load,
               "presets": {r["preset"]: r for r in results}, "provenance": provenance(config)}
-    for r in results if model is None else []:  # manager.batch_bound's default from now on
+    for r in results if model is None and device == "cpu" else []:  # manager.batch_bound's default
         _write_knee(r, load)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

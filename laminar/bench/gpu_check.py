@@ -170,13 +170,18 @@ def laminar_cmd() -> list[str]:
     return [sys.executable, "-m", "laminar.cli"]
 
 
-def engine_command(model_dir: Path, out: Path) -> tuple[list[str], list[str]]:
+def engine_command(model_dir: Path, out: Path, device: str = "cuda") -> tuple[list[str], list[str]]:
     """`laminar bench engine --backend native,vllm ...` and what the plan lacks."""
     cmd = [*laminar_cmd(), "bench", "engine", "--backend", "native,vllm", "--quick", "--out", str(out)]
     problems = []
     help_text = _bench_help()
     if "--backend" not in help_text:
         problems.append("`laminar bench engine` has no --backend option yet")
+    if "--device" in help_text:
+        cmd += ["--device", device]  # the native engine on the GPU too, beside vLLM
+    else:
+        problems.append("`laminar bench engine` has no --device option: its native engine "
+                        "runs on the CPU")
     if "--model" in help_text:
         cmd += ["--model", str(model_dir)]
     else:
@@ -311,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "--model-dir", str(model_dir), "--stage-out", str(work / f"{stage}.json"),
                 *(["--reps", str(reps)] if reps else [])]
 
-    engine_cmd, engine_problems = engine_command(model_dir, work / "bench-engine.json")
+    engine_cmd, engine_problems = engine_command(model_dir, work / "bench-engine.json", device)
     job_cmd, job_problems = job_command(model_dir, run_dir, device)
     if device == "cpu":  # also the config the GPU run will use (it loads on any machine)
         job_problems += [f"(cuda) {p}" for p in job_command(model_dir, run_dir, "cuda")[1]]

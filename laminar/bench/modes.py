@@ -40,8 +40,9 @@ from typing import Any
 import numpy as np
 
 from laminar.bench import learning
-from laminar.config import MODES, Config, load_config
+from laminar.config import Config, ConfigError, load_config
 from laminar.metrics import read_metrics, read_rows
+from laminar.types import MODES
 
 # The workload, the same for every schedule. Lengths follow the reverse task's default long
 # tail (p99/p50 ~ 10); each trajectory also waits on an emulated tool call (log-normal latency).
@@ -53,8 +54,8 @@ WORKLOAD = [
     "model.preset=tiny", "rollout.num_workers=2", "cluster.virtual_nodes=2",
     "rollout.group_size=8", "rollout.batch_groups=4", "rollout.max_new_tokens=80",
     "rollout.engine.max_batch_size=64", "rollout.engine.kv_capacity_tokens=4096",
-    "rollout.env_latency.enabled=true", "rollout.env_latency.median_s=0.15",
-    "rollout.env_latency.sigma=1.0", "rollout.env_latency.max_s=3.0",
+    "bench.env_latency.enabled=true", "bench.env_latency.median_s=0.15",
+    "bench.env_latency.sigma=1.0", "bench.env_latency.max_s=3.0",
     "task.reward=laminar.tasks.rewards:exact_match_reward", "task.eval_prompts=256",
     "sft.steps=450", "sft.max_seconds=3600",
     "trainer.prompts_per_step=32", "trainer.mini_batches=4", "trainer.lr=1e-4",
@@ -62,7 +63,7 @@ WORKLOAD = [
     "trainer.eval_every=0", "trainer.eval_every_s=5", "trainer.checkpoint_every=0",
     "metrics.tensorboard=false", "metrics.live=off",
 ]
-CONTROL = ["rollout.env_latency.enabled=false"]  # the control: no tool latency
+CONTROL = ["bench.env_latency.enabled=false"]  # the control: no tool latency
 # The agentic workload (`--task calc`): the same shape of job on the calc task (examples/
 # calc.yaml), whose tool calls run real programs in the sandbox; no emulated latency.
 CALC_WORKLOAD = [
@@ -189,8 +190,6 @@ def parse_modes(modes: str | None) -> list[str]:
     chosen = list(MODES) + ["trl"] if not modes else [m.strip() for m in modes.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in (*MODES, "trl")]
     if unknown or "laminar" not in chosen:
-        from laminar.config import ConfigError
-
         raise ConfigError(f"--modes {modes!r}: {'unknown ' + ', '.join(unknown) if unknown else 'no laminar'}; "
                           f"pick from {', '.join((*MODES, 'trl'))}, laminar included (ratios are "
                           "laminar / mode)")
@@ -285,6 +284,9 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
     from laminar.bench.provenance import provenance
 
     chosen = parse_modes(modes)
+    if task not in WORKLOADS:
+        raise ConfigError(f"--task {task!r}: bench modes has a workload for "
+                          f"{', '.join(WORKLOADS)}")
     overrides = list(overrides or [])
     prediction = read_prediction(predicted) if predicted else None  # before anything runs
     bench_config("laminar", 1, Path("/tmp"), overrides, task)  # a bad --set fails first
@@ -292,8 +294,6 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
     repeats = repeats or (1 if quick else 3)
     control = (not quick and task == "reverse") if control is None else control
     if control and task != "reverse":
-        from laminar.config import ConfigError
-
         raise ConfigError(f"--task {task}: its environment latency is real, so there is no "
                           "env-latency-off control; drop the control option")
     with_trl = "trl" in chosen
@@ -355,8 +355,6 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
 def read_prediction(path: str) -> dict[str, float]:
     """`throughput_by_mode` of `laminar simulate --calibration LOCAL.json --out F`: the
     simulator's prediction for this machine, made before the benchmark runs."""
-    from laminar.config import ConfigError
-
     try:
         data = json.loads(Path(path).read_text())
         return {m: float(v) for m, v in data["throughput_by_mode"].items()}

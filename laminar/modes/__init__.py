@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from laminar.config import MODES, Config
+from laminar.config import Config
+from laminar.types import MODES
 
 __all__ = ["MODES", "run_training", "schedule"]
 

@@ -38,7 +38,7 @@ class Follower:
         cfg = self.cfg
         run_dir = cfg.resolved_run_dir
         self.logger = MetricsLogger(run_dir, cfg.trainer.total_steps, console=False,
-                                    fresh=not (cfg.trainer.resume or cfg.resume),
+                                    fresh=not (cfg.trainer.from_checkpoint or cfg.resume),
                                     sinks=open_sinks(cfg.metrics, run_dir, cfg.name, cfg.model_dump(mode="json")),
                                     t0=rt.started_at)  # time 0: the rollouts' start, in every mode
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -56,8 +56,8 @@ class Follower:
             summary = rt.resumed
             self.log_event("resume", f"the job resumed in {run_dir}: " + (
                 summary.line() if summary else f"model from version {rt.start_version}"))
-        elif cfg.trainer.resume:
-            self.log_event("resume", f"resumed from {cfg.trainer.resume} at version {rt.start_version}")
+        elif cfg.trainer.from_checkpoint:
+            self.log_event("resume", f"resumed from {cfg.trainer.from_checkpoint} at version {rt.start_version}")
         self.evals.ask(step=start_step(cfg), at_least=rt.start_version)
 
     # ------------------------------------------------------------------------- the run loop

@@ -20,24 +20,17 @@ from dataclasses import dataclass
 
 from laminar.pools.store import (Store, decode_group, decode_request, encode_group,
                                  encode_request, open_store)
-from laminar.types import GenerationRequest, PromptGroup
+from laminar.types import GenerationRequest, PromptGroup, TokenDelta
 
 
 @dataclass(slots=True)
 class PartialEntry:
+    """The pool's durable record of a trajectory in flight: who generates it (`owner`) and its
+    tokens as last streamed. A move between rollouts is an `Unfinished` (laminar.types)."""
+
     request: GenerationRequest  # prompt ids, tokens, log-probs and their versions so far
     group: PromptGroup  # the prompt (and reference answer) the sample belongs to
     owner: str  # rollout generating it now
-
-
-@dataclass(slots=True)
-class TokenUpdate:
-    """New tokens of one trajectory since the last update (what a rollout streams)."""
-
-    traj_id: str
-    token_ids: list[int]
-    logprobs: list[float]
-    token_versions: list[int]  # the version that generated each of them
 
 
 class PartialPool:
@@ -82,12 +75,12 @@ class PartialPool:
             self.register(owner, group, requests)
         self.store.commit()  # a durable point: every started sample is on record before its put
 
-    def update(self, owner: str, updates: list[TokenUpdate]) -> int:
+    def update(self, owner: str, updates: list[TokenDelta]) -> int:
         """Append streamed tokens; updates from a rollout that no longer owns the entry are
         ignored (it was declared dead or the entry moved). Returns how many were applied."""
         applied = 0
         for u in updates:
-            entry = self.entries.get(u.traj_id)
+            entry = self.entries.get(u.request_id)
             if entry is None or entry.owner != owner:
                 continue
             req = entry.request
@@ -96,7 +89,7 @@ class PartialPool:
             req.token_versions.extend(u.token_versions)
             if req.version is None and u.token_versions:
                 req.version = u.token_versions[0]
-            self.dirty.add(u.traj_id)
+            self.dirty.add(u.request_id)
             applied += 1
         self._maybe_commit()
         return applied

@@ -261,7 +261,7 @@ def check_resumable(cfg: Any) -> None:
     if not cfg.durable_pools:
         raise ConfigError("resume=true needs durable_pools=true: the pools of a run kept in memory "
                           "died with it (its checkpoints can still start a new run: "
-                          "trainer.resume=RUN_DIR/checkpoints/step_NNNNNN)")
+                          "trainer.from_checkpoint=RUN_DIR/checkpoints/step_NNNNNN)")
     if not (run_dir / "pools.db").exists():
         raise ConfigError(f"nothing to resume in {run_dir}: it has no pools.db (was the run "
                           "started with durable_pools=false, or is this the wrong directory?)")

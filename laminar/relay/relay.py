@@ -246,7 +246,7 @@ class Relay:
             return self._stop.is_set() or self.plan.successor(self.id) != succ
 
         while not plan_changed():
-            buf = self.store.newest()
+            buf = self.store.forwardable()
             if buf is None or (sent is not None and buf.version <= sent):
                 with self.store.cond:
                     self.store.cond.wait(self.cfg.heartbeat_s)
@@ -264,7 +264,7 @@ class Relay:
 
             def give_up(v: int = buf.version, b: Any = buf) -> bool:
                 # an incomplete version that a newer one overtook will never complete here
-                newest = self.store.newest()
+                newest = self.store.forwardable()
                 return plan_changed() or (not b.is_complete and newest is not None and newest.version > v)
 
             try:

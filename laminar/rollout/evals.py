@@ -17,6 +17,8 @@ draws at every evaluation, so two evaluations differ by the weights only). One e
 loop step: the evaluation shares the rollout's CPU with generation instead of pausing it.
 A multi-turn task evaluates whole episodes (laminar/envs/episode.py, with environments of its
 own), scored by their environment: exact match is the episode's `info["exact_match"]`.
+Requests and scores are the held-out evaluation's own (laminar/tasks/evaluate.py), the same as
+the warm start's `evaluate`: its greedy half gives the same numbers on the same weights.
 """
 
 from __future__ import annotations
@@ -29,9 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from laminar.engine.protocol import EngineFactory, RolloutEngine
-from laminar.models.tokenizer import decode_response, encode_prompt
 from laminar.rollout.io import WeightSource
-from laminar.tasks.rewards import exact_match
+from laminar.tasks.evaluate import Outcome, eval_request, mean_outcomes, score_responses
 from laminar.types import GenerationRequest, PromptGroup, PromptItem, SamplingParams
 
 
@@ -61,7 +62,7 @@ class Evaluator:
         self.results: list[dict[str, Any]] = []
         self.rewards = rewards  # the rollout's reward runner (tasks/reward_pool.py), if any
         self.episodes = episodes  # multi-turn tasks: the evaluation's own episodes
-        self.outcomes: dict[str, tuple[float, bool]] = {}  # request id -> (reward, exact match)
+        self.outcomes: dict[str, Outcome] = {}  # episodes: request id -> (reward, exact match)
 
     def queue(self, job: EvalJob) -> None:
         self.jobs.append(job)
@@ -127,10 +128,9 @@ class Evaluator:
         self.job, self.t0, self.requests = job, time.perf_counter(), {}
         greedy = dataclasses.replace(job.params, temperature=0.0, seed=None)
         for i, item in enumerate(job.items):
-            prompt = encode_prompt(self.tokenizer, item.prompt)
             seed = zlib.crc32(f"{job.params.seed}/eval/{i}".encode())
             for kind, params in (("greedy", greedy), ("sampled", dataclasses.replace(job.params, seed=seed))):
-                req = GenerationRequest(f"eval/{job.eval_id}/{kind}/{i}", list(prompt), params)
+                req = eval_request(self.tokenizer, item, params, f"eval/{job.eval_id}/{kind}/{i}")
                 self.requests[req.request_id] = (kind, item, req)
                 if self.episodes is not None:
                     self.episodes.begin(req, PromptGroup(req.request_id, item, [], 1))
@@ -143,30 +143,16 @@ class Evaluator:
 
     def _finish(self) -> None:
         job = self.job
-        sums = {"greedy": [0.0, 0.0], "sampled": [0.0, 0.0]}
-        texts = [(kind, item, decode_response(self.tokenizer, req.output_ids))
-                 for kind, item, req in self.requests.values()]
-        if self.episodes is not None:
-            for kind, _, req in self.requests.values():
-                reward, exact = self.outcomes.pop(req.request_id, (0.0, False))
-                sums[kind][0] += exact
-                sums[kind][1] += reward
-        elif self.rewards is None:
-            for kind, item, text in texts:
-                scored = self.task.score(item, text)
-                sums[kind][0] += scored.exact_match
-                sums[kind][1] += scored.reward
-        else:  # every call ends within the runner's timeout and retries; a failed one scores 0
-            calls = [self.rewards.submit(item.prompt, text, item.answer) for _, item, text in texts]
-            while not all(c.done for c in calls):
-                time.sleep(0.001)
-            for (kind, item, text), call in zip(texts, calls):
-                sums[kind][0] += exact_match(text, item.answer)
-                sums[kind][1] += 0.0 if call.failed else call.reward
-        n = max(1, len(job.items))
-        self.results.append({
-            "step": job.step, "version": self.engine.version, "eval_id": job.eval_id,
-            "greedy_exact_match": sums["greedy"][0] / n, "greedy_reward": sums["greedy"][1] / n,
-            "sampled_exact_match": sums["sampled"][0] / n, "sampled_reward": sums["sampled"][1] / n,
-            "num_prompts": len(job.items), "eval_s": round(time.perf_counter() - self.t0, 3)})
+        answered = list(self.requests.values())
+        if self.episodes is not None:  # scored by their environment as they ended
+            scored = [self.outcomes.pop(req.request_id, (0.0, False)) for _, _, req in answered]
+        else:  # every call of a reward runner ends within its timeout and retries
+            scored = score_responses(self.task, self.tokenizer,
+                                     [(item, req) for _, item, req in answered], self.rewards)
+        row = {"step": job.step, "version": self.engine.version, "eval_id": job.eval_id}
+        for kind in ("greedy", "sampled"):
+            reward, exact = mean_outcomes([s for (k, _, _), s in zip(answered, scored) if k == kind])
+            row[f"{kind}_exact_match"], row[f"{kind}_reward"] = exact, reward
+        self.results.append({**row, "num_prompts": len(job.items),
+                             "eval_s": round(time.perf_counter() - self.t0, 3)})
         self.job, self.requests, self.left = None, {}, 0

@@ -1,6 +1,6 @@
 """From a finished generation request to a scored trajectory, after its environment call.
 
-    finisher = Finisher(task, tokenizer, cfg.rollout.env_latency, seed, open_rewards(cfg.task),
+    finisher = Finisher(task, tokenizer, cfg.bench.env_latency, seed, open_rewards(cfg.task),
                         episodes)
     if finisher.begin(request, group):    # one turn: decode it now (else reset runs first)
         engine.add(request)
@@ -20,7 +20,7 @@ The reward runs as `rewards` says (laminar/tasks/reward_pool.py: killable worker
 a timeout and retries, or inline; default inline with the task's reward). A trajectory whose
 reward failed for good is still handed on, with `failed` set to the reason and reward 0, so
 its GRPO group completes in the buffer; the trainer leaves it out. Failures are counted
-(`reward_errors`, `failed_by_reason`). `rollout.env_latency` emulates a sandbox or tool call per
+(`reward_errors`, `failed_by_reason`). `bench.env_latency` emulates a sandbox or tool call per
 trajectory: a log-normal wait before the trajectory is ready, like the paper's Fig. 2 (right).
 The trajectory carries the version of its first token, and its per-token versions when it
 mixes them.
@@ -169,7 +169,7 @@ def make_finisher(cfg: Config, task: Task, tokenizer: PreTrainedTokenizerBase,
     """The finisher of a rollout: reward workers for one-turn tasks, episodes for multi-turn."""
     from laminar.tasks.reward_pool import open_rewards
 
-    return Finisher(task, tokenizer, cfg.rollout.env_latency, seed, open_rewards(cfg.task),
+    return Finisher(task, tokenizer, cfg.bench.env_latency, seed, open_rewards(cfg.task),
                     make_episodes(cfg, task, tokenizer))
 
 

@@ -21,9 +21,9 @@ import torch
 
 from laminar.engine.protocol import WeightTarget
 from laminar.pools.experience import ExperienceBuffer
-from laminar.pools.partials import PartialPool, TokenUpdate
+from laminar.pools.partials import PartialPool
 from laminar.pools.prompts import PromptPool
-from laminar.types import GenerationRequest, PromptGroup, Trajectory
+from laminar.types import GenerationRequest, PromptGroup, TokenDelta, Trajectory
 
 Registration = tuple[PromptGroup, list[GenerationRequest]]
 
@@ -45,7 +45,7 @@ class PromptSource(Protocol):
 class PartialSink(Protocol):
     def register(self, owner: str, registrations: list[Registration]) -> None: ...
 
-    def update(self, owner: str, updates: list[TokenUpdate]) -> None: ...
+    def update(self, owner: str, updates: list[TokenDelta]) -> None: ...
 
     def remove(self, traj_ids: list[str]) -> None: ...
 
@@ -111,7 +111,7 @@ class LocalPartials:
     def register(self, owner: str, registrations: list[Registration]) -> None:
         self.pool.register_many(owner, registrations)
 
-    def update(self, owner: str, updates: list[TokenUpdate]) -> None:
+    def update(self, owner: str, updates: list[TokenDelta]) -> None:
         self.pool.update(owner, updates)
 
     def remove(self, traj_ids: list[str]) -> None:

@@ -42,7 +42,6 @@ from typing import Any
 from laminar.config import RolloutConfig
 from laminar.engine.lora import LoraBase, MergingWeights
 from laminar.engine.protocol import RolloutEngine
-from laminar.pools.partials import TokenUpdate
 from laminar.rollout.evals import EvalJob, Evaluator
 from laminar.rollout.finish import Finisher
 from laminar.rollout.io import RolloutIO, WeightSource
@@ -50,7 +49,7 @@ from laminar.rollout.policy import LoopState, Policy
 from laminar.rollout.requests import group_requests
 from laminar.rollout.timeline import Timeline
 from laminar.types import (GenerationRequest, PromptGroup, RolloutCounters, RolloutSnapshot,
-                           SamplingParams, Unfinished)
+                           SamplingParams, TokenDelta, Unfinished)
 
 # Calls to other components cost CPU on both sides (~0.1-0.5 ms each as Ray calls), so the
 # loop batches them: buffer puts and confirmations at most every FLUSH_S; a refused lease
@@ -282,8 +281,8 @@ class RolloutLoop:
         for rid, (req, _) in self.in_flight.items():
             sent = self.streamed[rid]
             if len(req.output_ids) - sent >= every:
-                updates.append(TokenUpdate(rid, req.output_ids[sent:], req.logprobs[sent:],
-                                           req.token_versions[sent:]))
+                updates.append(TokenDelta(rid, req.output_ids[sent:], req.logprobs[sent:],
+                                          token_versions=req.token_versions[sent:]))
                 self.streamed[rid] = len(req.output_ids)
         if updates:
             self.io.partials.update(self.id, updates)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import time
-import zlib
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -23,22 +22,19 @@ from typing import Any
 import torch
 
 from laminar.config import Config, ConfigError
-from laminar.engine.lora import rollout_lora
 from laminar.envs.openai_server import serve_rollout
 from laminar.models import load_pretrained
 from laminar.models.tokenizer import encode_prompt
+from laminar.pools.build import POOLS, pool_specs
 from laminar.pools.experience import ExperienceBuffer
-from laminar.pools.partials import PartialPool
-from laminar.pools.prompts import PromptPool, PromptSampler
+from laminar.pools.prompts import PromptPool
 from laminar.pools.resume import RESUMED, deal_resumed, prepare_pools
-from laminar.rollout.build import engine_factory
-from laminar.rollout.evals import EvalJob, Evaluator
-from laminar.rollout.finish import make_episodes, make_finisher
+from laminar.rollout.build import build_rollout
+from laminar.rollout.evals import EvalJob
 from laminar.rollout.io import (BoardWeights, LocalBuffer, LocalPartials, LocalPrompts, RolloutIO,
                                 WeightBoard)
 from laminar.rollout.loop import RolloutLoop
 from laminar.rollout.policy import Policy
-from laminar.rollout.requests import sampling_params
 from laminar.runtime.api import ONE_PROCESS_SCALE, TrainerCall
 from laminar.tasks import build_task
 from laminar.trainer.service import TrainerService, newest_checkpoint
@@ -108,17 +104,14 @@ class LocalRuntime:
         if cfg.rollout.openai_server:  # task.agent's endpoint: one for the rollouts of this process
             serve_rollout(cfg, "local")
         model, self.tokenizer = load_pretrained(self.model_dir, cfg.model.attn_implementation)
-        sampler = PromptSampler(self.task.train, partial(encode_prompt, self.tokenizer),
-                                cfg.rollout.group_size, seed=cfg.task.seed)
         db, summary = prepare_pools(cfg, self.start_version if newest_checkpoint(cfg.resolved_run_dir)
                                     and cfg.resume else None, self.start_version,
                                     self.policy.mixes_versions)
         if summary is not None:
             print(f"resume: {summary.line()}", flush=True)
-        self.prompts = PromptPool(sampler, 2 * cfg.cluster.wait_timeout_s, self.policy.max_outstanding,
-                                  db, cfg.resume)
-        self.partials = PartialPool(db, cfg.resume)
-        self.buffer = ExperienceBuffer(cfg.rollout.group_size, store=db, restore=cfg.resume)
+        pools = pool_specs(cfg, self.task.train, partial(encode_prompt, self.tokenizer),
+                           self.policy.max_outstanding, db)
+        self.prompts, self.partials, self.buffer = (pools[k].build() for k in POOLS)
         self.board = WeightBoard()
         self.trainer = TrainerService(cfg, self.model_dir, LocalTrainerData(self.prompts, self.buffer),
                                       BoardPush(self.board))
@@ -133,18 +126,10 @@ class LocalRuntime:
         return self
 
     def _loop(self, rollout_id: str, model: torch.nn.Module | None) -> RolloutLoop:
-        cfg = self.cfg
-        seed = zlib.crc32(f"{cfg.trainer.seed}/{rollout_id}".encode())
-        make_engine = engine_factory(cfg, self.model_dir, self.tokenizer, self.start_version, seed)
-        engine = make_engine(model)  # None: it reads the starting weights from model_dir
         io = RolloutIO(LocalPrompts(self.prompts), LocalPartials(self.partials),
                        LocalBuffer(self.buffer), BoardWeights(self.board))
-        finisher = make_finisher(cfg, self.task, self.tokenizer, seed)
-        evaluator = Evaluator(make_engine, self.tokenizer, self.task, finisher.rewards,
-                              make_episodes(cfg, self.task, self.tokenizer))
-        return RolloutLoop(rollout_id, engine, io, self.policy, finisher, sampling_params(cfg),
-                           cfg.rollout, cfg.cluster.heartbeat_s, evaluator,
-                           rollout_lora(cfg.trainer.lora, self.model_dir))
+        return build_rollout(self.cfg, rollout_id, self.model_dir, self.tokenizer, self.task, io,
+                             self.policy, self.start_version, model)  # model None: read again
 
     def __exit__(self, *exc: object) -> None:
         for loop in self.loops:

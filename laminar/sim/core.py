@@ -25,6 +25,7 @@ from laminar.sim.calibration import Calibration
 from laminar.sim.costs import DecodeCurve, ModelSpec
 from laminar.sim.replica import Replica
 from laminar.sim.workload import LengthDistribution, Traj, Workload
+from laminar.types import GLOBAL_BATCH_MODES
 
 TrainFn = Callable[[float, float, int, int], float]  # (tokens, sum_sq, n_steps, gpus) -> s
 
@@ -130,7 +131,7 @@ def paper_setup(mode: str, model: str, gpus: int, cal: Calibration | None = None
         broadcast_s=costs.relay_broadcast_s(m, max(1, rollout // paper.GPUS_PER_MACHINE)),
         pull_s=costs.relay_pull_s(m),
         controller_s_per_token=(cal.controller_us_per_token / 1e6
-                                if mode in ("sync", "one_step", "stream") else 0.0),
+                                if mode in GLOBAL_BATCH_MODES else 0.0),
         update_overhead_s=(cal.trainer_update_s
                            + cal.trainer_update_s_per_gb * m.weight_bytes / 1e9),
         lengths=LengthDistribution.from_points(paper.FIG17_QUANTILES[model],

@@ -29,10 +29,11 @@ from laminar.sim import paper, split
 from laminar.sim.calibration import Calibration
 from laminar.sim.report import tolerance
 from laminar.sim.run import simulate
+from laminar.types import GLOBAL_BATCH_MODES
 
 ALL = paper.MODES
-TRAINED_FSDP = ("laminar", "sync", "one_step", "stream")
-BARRIER = ("sync", "one_step", "stream")
+TRAINED_FSDP = tuple(m for m in ALL if m != "partial")  # AReaL (partial) trains with Megatron
+BARRIER = GLOBAL_BATCH_MODES
 PARAMS: dict[str, tuple[tuple[float, ...], tuple[str, ...]]] = {
     "controller_us_per_token": ((12.0, 13.0, 14.0, 15.0), BARRIER),
     "trainer_mfu": ((0.3, 0.34, 0.38), TRAINED_FSDP),

@@ -36,6 +36,7 @@ from laminar.sim.calibration import Calibration
 from laminar.sim.core import Setup
 from laminar.sim.costs import DecodeCurve
 from laminar.sim.workload import LengthDistribution
+from laminar.types import GLOBAL_BATCH_MODES
 
 DEFAULTS: dict[str, Any] = dict(
     kv_capacity_tokens=16384, max_running=64, prefill_ms_per_token=0.05,
@@ -94,7 +95,7 @@ def local_setup(mode: str, local: dict[str, Any], cal: Calibration, seed: int = 
         sync_s=cfg["sync_s"], push_s=cfg["push_s"], broadcast_s=cfg["broadcast_s"],
         pull_s=cfg["pull_s"],
         controller_s_per_token=(cfg["controller_s_per_token"]
-                                if mode in ("sync", "one_step", "stream") else 0.0),
+                                if mode in GLOBAL_BATCH_MODES else 0.0),
         update_overhead_s=0.0,  # measured trainer time already includes it
         lengths=LengthDistribution.from_points(lengths, min_len=1, max_len=int(max(lengths.values()))),
         prompts=int(cfg["prompts"]), samples=int(cfg["samples"]),
@@ -120,7 +121,7 @@ def block_from_run(run_dir: Path, engine_json: Path, cfg: Any, warmup: int = 2) 
     lens = np.array([t["response_len"] for t in trajs], dtype=float)
     n_trajs = len(trajs)
     prompt_tokens = sum(r["batch_tokens"] - r["response_tokens"] for r in rows)
-    ro, tr = cfg.rollout, cfg.trainer
+    ro, tr, env = cfg.rollout, cfg.trainer, cfg.bench.env_latency
     return {
         "engine_bench": str(engine_json),
         "kv_capacity_tokens": ro.engine.kv_capacity_tokens,
@@ -132,8 +133,8 @@ def block_from_run(run_dir: Path, engine_json: Path, cfg: Any, warmup: int = 2) 
         "prompt_median": prompt_tokens / n_trajs, "prompt_sigma": 0.0,
         "rollout_workers": ro.num_workers, "prompts": tr.prompts_per_step,
         "samples": ro.group_size, "minibatches": tr.mini_batches,
-        "env_median_s": ro.env_latency.median_s if ro.env_latency.enabled else 0.0,
-        "env_sigma": ro.env_latency.sigma, "env_max_s": ro.env_latency.max_s,
+        "env_median_s": env.median_s if env.enabled else 0.0,
+        "env_sigma": env.sigma, "env_max_s": env.max_s,
     }
 
 

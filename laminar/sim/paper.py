@@ -16,8 +16,9 @@ generation, partial = AReaL, laminar.
 
 from __future__ import annotations
 
-MODES = ("laminar", "sync", "one_step", "stream", "partial")
-BASELINES = ("sync", "one_step", "stream", "partial")
+from laminar.types import MODES
+
+BASELINES = tuple(m for m in MODES if m != "laminar")
 PAPER_NAMES = {"laminar": "Laminar", "sync": "verl", "one_step": "One-step",
                "stream": "StreamGen", "partial": "AReaL"}
 MODELS = ("7b", "32b", "72b")

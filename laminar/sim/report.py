@@ -118,7 +118,7 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
                   laminar="#c62828")
     for ax, model in zip(axes[0], models):
         pts = sorted((p for p in points if p["model"] == model), key=lambda p: p["gpus"])
-        modes = [m for m in ("sync", "one_step", "stream", "partial", "laminar")
+        modes = [m for m in (*paper.BASELINES, "laminar")
                  if m in pts[0]["throughput_by_mode"]]
         width = 0.8 / len(modes)
         for i, mode in enumerate(modes):

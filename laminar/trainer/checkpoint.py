@@ -89,7 +89,7 @@ def _check_lora(trainer: Any, path: Path, state: dict[str, Any]) -> None:
         raise ConfigError(f"checkpoint {path} holds full weights (its run had no trainer.lora), "
                           "so a trainer.lora trainer cannot load it; to train adapters on its "
                           f"weights start a new run with model.path={path / 'model'} (no "
-                          "trainer.resume), or drop trainer.lora to resume it as it was")
+                          "trainer.from_checkpoint), or drop trainer.lora to resume it as it was")
     if lora is None and saved is not None:
         raise ConfigError(f"checkpoint {path} holds LoRA adapters (trainer.lora={saved}); resume "
                           "it with the same trainer.lora, or fine-tune its merged weights in a "

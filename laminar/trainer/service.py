@@ -113,16 +113,16 @@ class TrainerService:
         self.trainer = Trainer(model, cfg.trainer, self.tokenizer.pad_token_id,
                                cfg.rollout.temperature, ranks)
         self.data, self.weights = data, weights
-        self.steps = 0  # updates in this model's lineage: what trainer.total_steps counts
-        if cfg.trainer.resume:  # a new run from another run's checkpoint
-            extra = self.trainer.load_checkpoint(cfg.trainer.resume)
-            self.steps = extra.get("steps", self.trainer.version)
+        self.skipped_versions = 0  # version numbers a restart skipped: version - steps
+        if cfg.trainer.from_checkpoint:  # a new run from another run's checkpoint
+            extra = self.trainer.load_checkpoint(cfg.trainer.from_checkpoint)
+            self.skipped_versions = self.trainer.version - extra.get("steps", self.trainer.version)
             if not (restarted or cfg.resume):  # a live or restored pool knows its own position
                 self.data.load_prompt_state(extra["prompts"])
         self.history: list[dict[str, Any]] = []
         if restarted or cfg.resume:
             self._recover("trainer_restart" if restarted else "resume")
-        elif not cfg.trainer.resume:
+        elif not cfg.trainer.from_checkpoint:
             set_aside(cfg.resolved_run_dir / "trajectories.jsonl")
         self.last_update: float | None = None
         self.idle_s = 0.0
@@ -132,6 +132,12 @@ class TrainerService:
     @property
     def version(self) -> int:
         return self.trainer.version
+
+    @property
+    def steps(self) -> int:
+        """Updates in this model's lineage (what trainer.total_steps counts): its version,
+        less the numbers a restart skipped (`_recover`)."""
+        return self.trainer.version - self.skipped_versions
 
     def publish(self) -> float:
         """Publish the current weights; returns the stall in seconds. The version number is
@@ -158,13 +164,14 @@ class TrainerService:
         ckpt = newest_checkpoint(self.cfg.resolved_run_dir)
         if ckpt is not None:
             extra = self.trainer.load_checkpoint(ckpt)
-            self.steps = extra.get("steps", self.trainer.version)
+            self.skipped_versions = self.trainer.version - extra.get("steps", self.trainer.version)
         requeued = self.data.rewind(self.trainer.version if ckpt is not None else None)
         self.data.consumed(-requeued)
         resumed_at = self.trainer.version
         if self._state_file.exists():  # number on after the newest version already published
             published = json.loads(self._state_file.read_text())["published"]
             if published > self.trainer.version:  # its number names weights not at hand
+                self.skipped_versions += published - self.trainer.version
                 self.trainer.version = published
                 self.trainer.weights_are_version = False
         audit = self.cfg.resolved_run_dir / "trajectories.jsonl"
@@ -264,8 +271,7 @@ class TrainerService:
         if already_trained:
             stats = self.trainer.finish_global_batch()
         else:
-            stats = self.trainer.train_step(trajs)
-        self.steps += 1
+            stats = self.trainer.train_step(trajs)  # version += 1: one more step
         self._record(trajs)  # before the checkpoint that holds them (the exactly-once audit)
         every = self.cfg.trainer.checkpoint_every
         if (every and self.steps % every == 0) or self.steps == self.cfg.trainer.total_steps:

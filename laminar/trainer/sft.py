@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from laminar.config import Config, EngineConfig
-from laminar.engine import build_engine
+from laminar.engine import HFEngine, build_engine
 from laminar.envs.template import TurnTemplate
 from laminar.models import EOS_ID, encode_prompt, load_policy, save_pretrained
 from laminar.tasks import build_task
@@ -115,7 +115,7 @@ def evaluate_model(cfg: Config, model, tokenizer, task, eos: int, pad: int) -> d
     `rollout.engine`: the model is in this process's memory (not saved yet), and the numbers
     describe the warm start alone, whatever backend the RL run then uses."""
     if not task.multi_turn:
-        engine = build_engine(EngineConfig(backend="hf", max_batch_size=128), model, eos, pad)
+        engine = HFEngine(model, eos, pad, max_batch_size=128)
         return evaluate(engine, tokenizer, task, cfg.rollout.max_new_tokens)
     longest = max(len(encode_prompt(tokenizer, it.prompt)) for it in task.eval)
     width = longest + cfg.rollout.max_new_tokens + 1

@@ -74,7 +74,8 @@ class Trainer:
         self.device = ranks.device if ranks else resolve_device(cfg.device, "trainer.device")
         self.pad_token_id = pad_token_id
         self.temperature = temperature if temperature > 0 else 1.0
-        self.version = 0  # completed global batches = version of the current weights
+        self.version = 0  # the current weights' version: +1 per step (global batch); a restart may
+        # number on past its checkpoint (TrainerService.steps counts the steps themselves)
         self._pending: list[dict[str, float]] = []  # stats of this global batch's mini-batches
         self._prox_due = True  # the first update of a global batch refreshes `prox_model`
         self.nonfinite_in_a_row = 0  # updates skipped for a NaN / inf loss or gradient, in a row

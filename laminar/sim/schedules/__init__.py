@@ -1,16 +1,12 @@
 """The five schedules of DESIGN.md §6 on the simulator's clock, one short file each.
 
-`SCHEDULES[mode](setup, warmup, measure) -> SimResult`.
+`SCHEDULES[mode](setup, warmup, measure) -> SimResult`, for every mode of `laminar.types.MODES`.
 """
 
 from __future__ import annotations
 
-from laminar.sim.schedules import laminar, one_step, partial, stream, sync
+from importlib import import_module
 
-SCHEDULES = {
-    "laminar": laminar.run,
-    "sync": sync.run,
-    "one_step": one_step.run,
-    "stream": stream.run,
-    "partial": partial.run,
-}
+from laminar.types import MODES
+
+SCHEDULES = {mode: import_module(f"{__name__}.{mode}").run for mode in MODES}
