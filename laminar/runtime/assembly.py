@@ -1,7 +1,7 @@
 """How a Ray job is assembled: which actors start, with what, and where (DESIGN.md §3).
 
     check_gpu_reservations(cfg)                      # before anything starts
-    pools = start_pools(cfg, sampler, policy, db, names, head)
+    pools = start_pools(cfg, task, prompt_encoder(model_dir), policy, db, names, head)
     relays = start_relays(cfg, placement, job, secret, nodes)
     spec = rollout_spec(cfg, model_source(cfg, model_dir), ...);  spec.start(wid, relay)
     trainer, group = start_trainer(cfg, ...);  manager = start_manager(cfg, ...)
@@ -34,9 +34,8 @@ from ray.util.placement_group import PlacementGroup
 from laminar.config import Config, ConfigError
 from laminar.manager.actor import ManagerActor, RolloutSpec
 from laminar.models.builder import load_tokenizer
-from laminar.pools.experience import ExperienceBuffer
-from laminar.pools.partials import PartialPool
-from laminar.pools.prompts import PromptEncoder, PromptPool, PromptSampler
+from laminar.pools.build import pool_specs
+from laminar.pools.prompts import PromptEncoder
 from laminar.pools.resume import ResumeSummary, claim_run_dir, prepare_pools
 from laminar.rollout.policy import Policy
 from laminar.runtime.placement import Placement
@@ -88,24 +87,19 @@ def prepare_job_pools(cfg: Config, start_version: int, policy: Policy,
     return db, summary
 
 
-def prompt_sampler(cfg: Config, task: Task, model_dir: str) -> PromptSampler:
-    return PromptSampler(task.train, PromptEncoder.of(load_tokenizer(model_dir)), cfg.rollout.group_size,
-                         seed=cfg.task.seed)
+def prompt_encoder(model_dir: str) -> PromptEncoder:
+    """A prompt's token ids, picklable without transformers (the prompt pool's process)."""
+    return PromptEncoder.of(load_tokenizer(model_dir))
 
 
-def start_pools(cfg: Config, sampler: PromptSampler, policy: Policy, db: str | None,
+def start_pools(cfg: Config, task: Task, encode: PromptEncoder, policy: Policy, db: str | None,
                 names: dict[str, str], head: str | None) -> dict[str, ActorHandle]:
-    """The prompt pool, the partial pool and the experience buffer, on `head` (the driver's
-    node: they write RUN_DIR/pools.db)."""
+    """The prompt pool, the partial pool and the experience buffer (pools/build.py), one named
+    actor each on `head` (the driver's node: they write RUN_DIR/pools.db)."""
     here = {**LIGHT, **pin(head)}
-    return {
-        "prompts": ray.remote(PromptPool).options(**here, name=names["prompts"]).remote(
-            sampler, 2 * cfg.cluster.wait_timeout_s, policy.max_outstanding, db, cfg.resume),
-        "partials": ray.remote(PartialPool).options(**here, name=names["partials"]).remote(
-            db, cfg.resume),
-        "buffer": ray.remote(ExperienceBuffer).options(**here, name=names["buffer"]).remote(
-            cfg.rollout.group_size, store=db, restore=cfg.resume),
-    }
+    specs = pool_specs(cfg, task.train, encode, policy.max_outstanding, db)
+    return {k: ray.remote(spec.cls).options(**here, name=names[k]).remote(*spec.args, **spec.kwargs)
+            for k, spec in specs.items()}
 
 
 def start_relays(cfg: Config, placement: Placement, job: str, secret: bytes,

@@ -35,7 +35,7 @@ from laminar.rollout.evals import EvalJob
 from laminar.rollout.policy import Policy
 from laminar.runtime.api import TrainerCall, TrainerRestarted
 from laminar.runtime.assembly import (actor_names, check_gpu_reservations, job_secret, model_source,
-                                      prepare_job_pools, prompt_sampler, rollout_spec, start_manager,
+                                      prepare_job_pools, prompt_encoder, rollout_spec, start_manager,
                                       start_pools, start_relays, start_trainer, wait_started)
 from laminar.runtime.placement import place
 from laminar.runtime.raytools import answers, init_ray, wait_all
@@ -86,12 +86,12 @@ class ClusterRuntime:
             self.staging = init_ray(cfg, secret)
             self.started_ray = True
         self.job = uuid.uuid4().hex[:8]
+        encode = prompt_encoder(self.model_dir)
         self.task: Task = build_task(cfg.task, cfg.sandbox)
-        sampler = prompt_sampler(cfg, self.task, self.model_dir)
         self.names = actor_names(self.job)
         db, self.resumed = prepare_job_pools(cfg, self.start_version, self.policy, self.job)
         nodes = self._cluster_nodes()  # sets self.head, which the pools are pinned to
-        self.pools = start_pools(cfg, sampler, self.policy, db, self.names, self.head)
+        self.pools = start_pools(cfg, self.task, encode, self.policy, db, self.names, self.head)
         self.placement = place(cfg.rollout.num_workers, cfg.cluster.virtual_nodes,
                                list(nodes) if nodes else None, self.head, cfg.cluster.rollouts_on_head)
         self.relays = start_relays(cfg, self.placement, self.job, secret, nodes)
