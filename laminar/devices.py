@@ -91,7 +91,7 @@ def check_devices(cfg: Any) -> dict[str, str]:
     `cuda` on a machine without CUDA is one ConfigError before anything starts. On a cluster
     (`cluster.address` set) the trainer and the rollouts may run on other machines than the
     driver, so that is left to each process at its start. (That Ray actors reserve the GPUs
-    they use is checked where they start: runtime/cluster.py, check_gpu_reservations.) Returns
+    they use is checked where they start: runtime/assembly.py, check_gpu_reservations.) Returns
     key -> device type as resolved here."""
     out = {}
     if not getattr(cfg.cluster, "address", None):

@@ -94,7 +94,7 @@ def test_user_code_is_staged_and_found_from_the_shipped_copy(tmp_path, monkeypat
     monkeypatch.setenv(SHIPPED_ENV, env["env_vars"][SHIPPED_ENV])
     monkeypatch.syspath_prepend(str(staging))
     assert shipped_copy(user / "my_reward.py") is not None
-    from laminar.tasks.rewards import import_target
+    from laminar.plugins import import_target
 
     fn = import_target(task.reward, "task.reward")
     assert fn("p", "r", "a") == 0.5
@@ -107,7 +107,7 @@ def test_installed_packages_are_not_shipped(tmp_path):
 
 
 def test_status_orders_a_chain_and_reports_link_speeds():
-    from laminar.runtime.status import _chain_position, link_speed_gbit, render
+    from laminar.devcluster.status import _chain_position, link_speed_gbit, render
 
     relays = [{"id": "node2", "successor": None, "info": {"host": "10.0.0.3", "port": 3},
                "latest": 4, "versions": [3, 4], "failures": [],

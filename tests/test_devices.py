@@ -160,7 +160,7 @@ def test_stage_copy_into_cuda_through_pinned_halves():
 def test_cuda_under_ray_needs_a_gpu_reserved():
     """Ray hides GPUs from a trainer or rollout actor that reserves none: refused at start, one
     line with the key, the value and the fix."""
-    from laminar.runtime.cluster import check_gpu_reservations
+    from laminar.runtime.assembly import check_gpu_reservations
 
     for role in ("trainer", "rollout"):
         with pytest.raises(ConfigError) as e:
@@ -184,7 +184,7 @@ def test_resources_become_ray_options_ray_accepts():
     trainer or rollout reserving {GPU: 0.5} must not fail at `.options()`."""
     import ray
 
-    from laminar.runtime.cluster import THREADED, ray_resources
+    from laminar.runtime.raytools import THREADED, ray_resources
 
     assert ray_resources({}) == {}
     opts = ray_resources({"GPU": 0.5, "CPU": 2, "accel": 1})

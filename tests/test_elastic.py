@@ -2,7 +2,7 @@
 
 The job is a real `laminar train` process (its own embedded Ray cluster, two rollouts on two
 virtual nodes); the commands are real `laminar` processes that talk to it only through its run
-directory (laminar/modes/control.py).
+directory (laminar/observe/control.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from laminar.modes.control import plan_scale
+from laminar.observe.control import plan_scale
 from waiting import remaining_s, until
 
 ROOT = Path(__file__).parent.parent

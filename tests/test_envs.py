@@ -20,7 +20,7 @@ from laminar.envs.template import TurnTemplate
 from laminar.models import EOS_ID, PAD_ID, build_preset
 from laminar.models.tokenizer import build_char_tokenizer, encode_prompt
 from laminar.tasks import build_task
-from laminar.trainer.trainer import collate
+from laminar.trainer.batching import collate
 from laminar.types import GenerationRequest, PromptGroup, SamplingParams
 from harness import Recorder, World
 from waiting import stepping, until

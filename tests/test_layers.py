@@ -28,6 +28,7 @@ LAYERS = [
     {"rollout"},
     {"manager"},
     {"runtime"},
+    {"observe", "devcluster"},
     {"modes"},
     {"doctor"},
     {"sim"},

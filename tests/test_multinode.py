@@ -1,6 +1,6 @@
 """A real multi-node Ray cluster on this machine: a head raylet and two worker raylets, each worker
 in its own network namespace (its own IP behind a veth) and mount namespace (its own /dev/shm
-and /tmp), started with `ray start` (laminar/runtime/nscluster.py). Jobs are `laminar train`
+and /tmp), started with `ray start` (laminar/devcluster/nscluster.py). Jobs are `laminar train`
 processes with `cluster.address`, as a user runs them; user code lives in pytest's temporary
 folder, which the worker nodes cannot see, so it has to travel.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from laminar.runtime.nscluster import NamespacedCluster
+from laminar.devcluster.nscluster import NamespacedCluster
 
 OK, WHY = NamespacedCluster.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"namespaced cluster unavailable: {WHY}")

@@ -11,9 +11,9 @@ from laminar.config import TrainerConfig
 from laminar.metrics import summarize
 from laminar.models import build_preset
 from laminar.trainer.advantage import group_advantages
-from laminar.trainer.batching import token_budget_batches
+from laminar.trainer.batching import collate, split_groups, token_budget_batches
 from laminar.trainer.loss import abs_diff_summary, fresh_abs_diffs, policy_loss, token_logprobs
-from laminar.trainer.trainer import NonFiniteTraining, Trainer, collate, split_groups
+from laminar.trainer.trainer import NonFiniteTraining, Trainer
 from laminar.types import Trajectory
 
 

@@ -15,10 +15,11 @@ import torch
 
 from laminar.config import RelayConfig, TrainerConfig
 from laminar.models import build_preset
+from laminar.trainer.batching import split_groups
 from laminar.trainer.checkpoint import full_state_dict
 from laminar.trainer.ranks import (fit_problem, follow, plan_micro_batches, rank_bundles,
                                    spawn_ranks, split_by_tokens)
-from laminar.trainer.trainer import Trainer, split_groups
+from laminar.trainer.trainer import Trainer
 from laminar.types import Trajectory
 
 # Tolerance. Two ranks sum the same per-token terms in another order, so gradients differ in

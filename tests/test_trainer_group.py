@@ -122,7 +122,7 @@ def test_two_trainer_ranks_on_two_nodes(tmp_path):
     import uuid
     from pathlib import Path
 
-    from laminar.runtime.nscluster import NamespacedCluster
+    from laminar.devcluster.nscluster import NamespacedCluster
 
     ok, why = NamespacedCluster.available()
     if not ok:

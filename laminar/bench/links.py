@@ -1,6 +1,6 @@
 """Emulated cluster links for benchmarks and tests, two ways.
 
-- `Netns` (laminar/runtime/netns.py): one network namespace per node, each node's uplink and
+- `Netns` (laminar/devcluster/netns.py): one network namespace per node, each node's uplink and
   downlink capped with `tc`.
 - `ThrottledTcp`: the relay's TCP transport with a per-connection send cap (`TokenBucket`),
   standing in for a slow link where namespaces are not available (and slowing a broadcast
@@ -13,7 +13,7 @@ import socket
 import time
 
 from laminar.relay.transport import TcpLink, TcpTransport
-from laminar.runtime.netns import Netns
+from laminar.devcluster.netns import Netns
 
 __all__ = ["Netns", "ThrottledTcp", "TokenBucket"]
 

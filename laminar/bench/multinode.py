@@ -3,7 +3,7 @@
     laminar bench multinode [--quick] [--out multinode.json]
 
 A head raylet and 4 worker raylets, each worker in its own network and mount namespace with a
-1 Gbit/s link (laminar/runtime/nscluster.py: `laminar cluster up --nodes 5 --bandwidth-mbit
+1 Gbit/s link (laminar/devcluster/nscluster.py: `laminar cluster up --nodes 5 --bandwidth-mbit
 1000`). Two parts:
 
 1. **Broadcast across nodes.** Relays are Ray actors, one per node, started the way a job starts
@@ -42,11 +42,11 @@ from laminar.actor import alive_nodes, pin
 from laminar.bench.modes import WARMUP_STEPS, WORKLOAD, throughput
 from laminar.bench.relay_node import BenchRelay
 from laminar.config import RelayConfig
+from laminar.devcluster.nscluster import NamespacedCluster
 from laminar.models.builder import build_preset
 from laminar.provenance import provenance
 from laminar.relay.client import Pusher
 from laminar.relay.plan import ChainPlan, RelayInfo
-from laminar.runtime.nscluster import NamespacedCluster
 
 NODES = 5  # head + 4 workers
 LINK_MBIT = 1000.0

@@ -31,7 +31,7 @@ Every failure is recorded in `stats()["faults"]`: kind (rollout, relay), who, wh
 detected it and when it was repaired (work handed over; the chain re-planned), and for a
 rollout the trajectories that moved with the version they continue in and its replacement.
 
-Plain Python over three small doors (`Fleet`, `ManagerPools`, `Relays`); the decisions are
+Plain Python over three small doors (doors.py: `Fleet`, `ManagerPools`, `Relays`); the decisions are
 pure functions (health.py, repack.py). The Ray actor (actor.py) supplies Ray-backed doors.
 It never calls a rollout from inside that rollout's call: rollouts do not call the manager.
 """
@@ -41,68 +41,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any
 
 from laminar.config import Config
 from laminar.engine.knee import cached_knee
+from laminar.manager.doors import Fleet, ManagerPools, Relays
 from laminar.manager.health import assign_unfinished, incarnation, overdue, recreate_on, repoint
 from laminar.manager.repack import KvSample, idle_loads, is_post_update, kv_phase, plan_repack
-from laminar.pools.partials import PartialEntry
-from laminar.types import GenerationRequest, RolloutSnapshot, Unfinished
+from laminar.types import RolloutSnapshot, Unfinished
 
 log = logging.getLogger("laminar.manager")
-
-
-class Fleet(Protocol):
-    def snapshots(self, ids: list[str], timeout_s: float) -> tuple[dict[str, RolloutSnapshot], list[str]]:
-        """Answers within `timeout_s`, and the ids whose process is gone."""
-
-    def export(self, rollout_id: str) -> list[Unfinished]: ...
-
-    def adopt(self, rollout_id: str, moved: list[Unfinished]) -> bool: ...
-
-    def release(self, rollout_id: str) -> None: ...
-
-    def stop(self, rollout_id: str) -> None: ...
-
-    def drop(self, rollout_id: str) -> None:
-        """Forget a dead rollout and make sure its process is gone (a hung one must not write
-        results later)."""
-
-    def set_relay(self, rollout_id: str, relay_id: str) -> None: ...
-
-    def spawn(self, rollout_id: str, relay_id: str) -> None:
-        """Start a new rollout process that pulls from `relay_id` (on its node); returns at once."""
-
-    def spawned(self) -> tuple[list[str], dict[str, str]]:
-        """Spawned rollouts that now run (started and answering), and those whose start
-        failed, with why."""
-
-
-class ManagerPools(Protocol):
-    def owned_by(self, owner: str) -> list[PartialEntry]: ...
-
-    def reassign(self, traj_ids: list[str], owner: str, states: list[GenerationRequest]) -> None: ...
-
-    def live_groups(self) -> set[str]: ...  # groups with samples in the partial pool or buffer
-
-    def release_owner(self, owner: str, keep: set[str]) -> list[str]: ...
-
-    def expired_owners(self) -> set[str]: ...
-
-
-class Relays(Protocol):
-    def find_dead(self) -> list[str]: ...  # heartbeat every relay of the chain: the dead or hung
-
-    def cut(self, dead: list[str]) -> None:
-        """Re-plan the chain without `dead` (a dead master's successor becomes master); returns
-        once the live relays and the trainer hold the new plan."""
-
-    @property
-    def order(self) -> list[str]: ...  # the chain now, master first
-
-    @property
-    def latest(self) -> dict[str, int | None]: ...  # the newest version each relay held at the last check
 
 
 def batch_bound(cfg: Config) -> int:

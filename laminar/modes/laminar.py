@@ -22,6 +22,7 @@ from typing import Any
 from laminar.config import Config
 from laminar.modes.driver import Follower, finish
 from laminar.rollout.policy import Decision, LoopState
+from laminar.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Laminar:
 
     mixes_versions = False  # one trajectory, one version
     repacks = True  # a draining rollout's tail may move to a same-version peer
+    defers_resumed = False  # a resumed job's in-flight work goes on before the loops start
 
     def decide(self, s: LoopState) -> Decision:
         # a global weight sync (`rt.sync_weights`, a test's `sync_to`) asks for a version
@@ -47,7 +49,7 @@ def policy(cfg: Config) -> Laminar:
                    round(cfg.rollout.max_outstanding_batches * cfg.trainer.prompts_per_step))
 
 
-def run(rt: Any) -> dict[str, Any]:
+def run(rt: Runtime) -> dict[str, Any]:
     follower = Follower(rt)
     follower.follow(lambda: rt.train("run"))
     return finish(rt, follower)

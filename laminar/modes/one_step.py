@@ -11,16 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 from laminar.config import Config
-from laminar.modes.common import resume_global_batches, start_step
-from laminar.modes.driver import Follower, finish
+from laminar.modes.common import start_step
+from laminar.modes.driver import Follower, finish, resume_global_batches
 from laminar.modes.sync import GlobalBatch
+from laminar.runtime import Runtime
 
 
 def policy(cfg: Config) -> GlobalBatch:
     return GlobalBatch()
 
 
-def run(rt: Any) -> dict[str, Any]:
+def run(rt: Runtime) -> dict[str, Any]:
     follower = Follower(rt)
     B, total = rt.cfg.trainer.prompts_per_step, rt.cfg.trainer.total_steps
     step = start_step(rt.cfg)

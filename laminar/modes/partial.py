@@ -20,6 +20,7 @@ from laminar.config import Config
 from laminar.modes.common import start_step
 from laminar.modes.driver import Follower, finish
 from laminar.rollout.policy import Decision, LoopState
+from laminar.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Partial:
 
     mixes_versions = True  # interrupted work resumes on the new weights
     repacks = False  # every rollout swaps at every update: no rollout is ever in a ramp-down
+    defers_resumed = False  # a resumed job's in-flight work goes on before the loops start
 
     def decide(self, s: LoopState) -> Decision:
         lease = 0 if s.held else s.free_groups
@@ -38,7 +40,7 @@ def policy(cfg: Config) -> Partial:
     return Partial(round(cfg.rollout.max_outstanding_batches * cfg.trainer.prompts_per_step))
 
 
-def run(rt: Any) -> dict[str, Any]:
+def run(rt: Runtime) -> dict[str, Any]:
     follower = Follower(rt)
     step = start_step(rt.cfg)
     while step < rt.cfg.trainer.total_steps:

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from laminar.config import Config
-from laminar.modes.common import resume_global_batches, start_step
-from laminar.modes.driver import Follower, finish
+from laminar.modes.common import start_step
+from laminar.modes.driver import Follower, finish, resume_global_batches
 from laminar.rollout.policy import Decision, LoopState
+from laminar.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ def policy(cfg: Config) -> GlobalBatch:
     return GlobalBatch()
 
 
-def run(rt: Any) -> dict[str, Any]:
+def run(rt: Runtime) -> dict[str, Any]:
     follower = Follower(rt)
     step, total = start_step(rt.cfg), rt.cfg.trainer.total_steps
     B = rt.cfg.trainer.prompts_per_step

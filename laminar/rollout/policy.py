@@ -11,11 +11,16 @@ A schedule (`laminar/modes/<mode>.py`) answers three questions through its polic
   its ramp-down and may be repacked), or interrupt it, swap the weights and resume it
   (`Decision.interrupt`: one trajectory then mixes versions, as partial rollout does).
 
-Two class attributes say what the rest of the system may do with a rollout's unfinished work:
-`mixes_versions` (may it continue on other weights: resumed after an interrupt, or adopted by a
-rollout of another version on failover) and `repacks` (may the manager move a draining
-rollout's tail to a same-version peer). `RolloutLoop` (loop.py) applies the decisions; it never
-asks which mode it runs.
+Four attributes say what the rest of the system may do (the runtimes read them, and nothing
+else of a policy but `decide`):
+- `mixes_versions`: may a rollout's unfinished work continue on other weights (resumed after an
+  interrupt, or adopted by a rollout of another version on failover);
+- `repacks`: may the manager move a draining rollout's tail to a same-version peer;
+- `max_outstanding`: how many groups leased or untrained the prompt pool allows (None: no
+  bound; admission control);
+- `defers_resumed`: a resumed job's in-flight work waits until the driver hands it out
+  (`resume_global_batches`) instead of going to the rollouts before the loops start.
+`RolloutLoop` (loop.py) applies the decisions; it never asks which mode it runs.
 """
 
 from __future__ import annotations
@@ -55,5 +60,7 @@ class Decision:
 class Policy(Protocol):
     mixes_versions: bool  # may a trajectory continue on weights other than its first version
     repacks: bool  # may the manager move a draining rollout's unfinished work to a peer
+    max_outstanding: int | None  # groups leased or untrained the prompt pool allows (None: any)
+    defers_resumed: bool  # a resumed job's in-flight work waits for the driver to hand it out
 
     def decide(self, state: LoopState) -> Decision: ...

@@ -3,34 +3,30 @@
     with open_runtime(cfg, model_dir, start_version, policy) as rt:
         rt.wait(rt.generate(B), "generation")           # what laminar/modes/<mode>.py calls
 
-- `cluster.py` (`cluster.backend: ray`): every component a Ray actor, on an embedded local
-  cluster or the one `cluster.address` names; `relays.py` starts and heartbeats the relays.
-- `local.py` (`cluster.backend: local`): the same loop, trainer and pools in one process, no
-  Ray, for debugging a task or a reward.
+- `api.py`: the driver API, the `Runtime` Protocol both runtimes implement, and
+  `TrainerRestarted`.
+- `cluster.py` (`cluster.backend: ray`): `ClusterRuntime`, every component a Ray actor, on an
+  embedded local cluster or the one `cluster.address` names. Beside it: `assembly.py` (which
+  actors the job starts, with what, where), `raytools.py` (low-level Ray: init, actor options,
+  waits), `placement.py` (pure: which relay each rollout pulls from), `shipping.py` (user code
+  to every node), `probe.py` (`laminar doctor --ray`). The relay group's Ray edge is
+  laminar/relay/actor.py; what every actor shell shares (node pinning, start failures, the
+  starting model on every node) is laminar/actor.py.
+- `local.py` (`cluster.backend: local`): `LocalRuntime`, the same loop, trainer and pools in one
+  process, no Ray, for debugging a task or a reward.
 
-The driver API, the same for both:
-    generate(num_groups) -> pending      deal one global batch out to the rollouts
-    sync_weights(version)                every rollout gets to `version` (its policy says how)
-    train(method) -> pending             a trainer call: train_once | train_streaming |
-                                         train_next | run
-    wait(pending, what) -> value         wait at most cluster.wait_timeout_s, naming what
-    ready(pending, timeout_s) -> bool    done yet?
-    result(pending) -> value             raises TrainerRestarted if the trainer died meanwhile
-    request_eval(job) -> rollout id      a held-out evaluation (laminar/rollout/evals.py), by
-                                         the next rollout in turn
-    take_records(close) -> {rollout: {"evals", "spans", "env_latency_s", "turns"}}   since the last call
-    idle(seconds)                        let the rollouts run (local: steps them)
-    trainer_rows(since), snapshots(), manager_stats(), finish()
-    start_version, cfg, started_at      (the unix time the rollouts were started: rows count from it)
+The dev cluster (a real multi-node Ray cluster on one machine) is laminar/devcluster/.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from laminar.config import Config
 from laminar.rollout.policy import Policy
+from laminar.runtime.api import Runtime, TrainerRestarted
+
+__all__ = ["RAY_ENV", "Runtime", "TrainerRestarted", "open_runtime", "ray_env_defaults"]
 
 
 # What the Ray processes this one starts inherit, unless the user set it. Ray runs every worker
@@ -46,17 +42,12 @@ def ray_env_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
-class TrainerRestarted(RuntimeError):
-    """The trainer died during a call; it restarts from its newest checkpoint, so the driver
-    makes the call again."""
-
-
-def open_runtime(cfg: Config, model_dir: str, start_version: int, policy: Policy) -> Any:
+def open_runtime(cfg: Config, model_dir: str, start_version: int, policy: Policy) -> Runtime:
     """A runtime for `cfg.cluster.backend`, to be used as a context manager."""
     if cfg.cluster.backend == "local":
-        from laminar.runtime.local import LocalRuntime
+        from laminar.runtime.local import LocalRuntime  # torch and the models: only when chosen
 
         return LocalRuntime(cfg, model_dir, start_version, policy)
-    from laminar.runtime.cluster import ClusterRuntime
+    from laminar.runtime.cluster import ClusterRuntime  # ray, and it imports this package
 
     return ClusterRuntime(cfg, model_dir, start_version, policy)

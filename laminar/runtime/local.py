@@ -13,13 +13,16 @@ loops are stepped (during generation, a sync, or `idle`).
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 
 from laminar.config import Config, ConfigError
+from laminar.envs.openai_server import serve_rollout
 from laminar.models import load_pretrained
 from laminar.models.tokenizer import encode_prompt
 from laminar.pools.build import POOLS, pool_specs
@@ -32,6 +35,7 @@ from laminar.rollout.io import (BoardWeights, LocalBuffer, LocalPartials, LocalP
                                 WeightBoard)
 from laminar.rollout.loop import RolloutLoop
 from laminar.rollout.policy import Policy
+from laminar.runtime.api import ONE_PROCESS_SCALE, TrainerCall
 from laminar.tasks import build_task
 from laminar.trainer.service import TrainerService, newest_checkpoint
 from laminar.types import RolloutSnapshot, Trajectory
@@ -81,6 +85,10 @@ class Done:
 
 
 class LocalRuntime:
+    one_process = True  # no processes to name, no nodes, no elasticity
+    job = None  # no job id: nothing is named across processes
+    resumed = None  # a resumed job's reconciliation is printed as the pools load
+
     def __init__(self, cfg: Config, model_dir: str, start_version: int, policy: Policy) -> None:
         if cfg.trainer.world_size > 1:
             raise ConfigError(f"trainer.world_size={cfg.trainer.world_size}: cluster.backend=local "
@@ -94,8 +102,6 @@ class LocalRuntime:
         if self.task.load_report:
             print(self.task.load_report.summary())
         if cfg.rollout.openai_server:  # task.agent's endpoint: one for the rollouts of this process
-            from laminar.envs.openai_server import serve_rollout
-
             serve_rollout(cfg, "local")
         model, self.tokenizer = load_pretrained(self.model_dir, cfg.model.attn_implementation)
         db, summary = prepare_pools(cfg, self.start_version if newest_checkpoint(cfg.resolved_run_dir)
@@ -111,7 +117,7 @@ class LocalRuntime:
                                       BoardPush(self.board))
         self.loops = [self._loop(f"rollout{i}", model if i == 0 else None)
                       for i in range(cfg.rollout.num_workers)]
-        if cfg.resume and not getattr(self.policy, "defers_resumed", False):
+        if cfg.resume and not self.policy.defers_resumed:
             self.hand_out_resumed()
         self.eval_turn = -1
         print(f"{cfg.mode} mode in one process: {cfg.trainer.total_steps} steps x "
@@ -119,7 +125,7 @@ class LocalRuntime:
         self.started_at = time.time()  # the driver's rows count from here
         return self
 
-    def _loop(self, rollout_id: str, model: Any) -> RolloutLoop:
+    def _loop(self, rollout_id: str, model: torch.nn.Module | None) -> RolloutLoop:
         io = RolloutIO(LocalPrompts(self.prompts), LocalPartials(self.partials),
                        LocalBuffer(self.buffer), BoardWeights(self.board))
         return build_rollout(self.cfg, rollout_id, self.model_dir, self.tokenizer, self.task, io,
@@ -134,7 +140,7 @@ class LocalRuntime:
 
     # ------------------------------------------------------------------------- the driver API
 
-    def _pump(self, done: Any, what: str) -> None:
+    def _pump(self, done: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.cfg.cluster.wait_timeout_s
         while not done():
             if not any([loop.step() for loop in self.loops]):
@@ -172,7 +178,7 @@ class LocalRuntime:
         self._pump(lambda: all(loop.holds_version(version) for loop in self.loops),
                    f"the weight sync to version {version}")
 
-    def train(self, method: str) -> Done:
+    def train(self, method: TrainerCall) -> Done:
         if method == "run":
             return Done(self.trainer.run(self.cfg.trainer.total_steps))
         return Done(getattr(self.trainer, method)())
@@ -192,7 +198,7 @@ class LocalRuntime:
     def snapshots(self) -> dict[str, RolloutSnapshot]:
         return {loop.id: loop.snapshot() for loop in self.loops}
 
-    def request_eval(self, job: EvalJob) -> str:
+    def request_eval(self, job: EvalJob) -> str | None:
         self.eval_turn += 1
         loop = self.loops[self.eval_turn % len(self.loops)]
         loop.request_eval(job)
@@ -219,3 +225,25 @@ class LocalRuntime:
             pool.flush()
         return {"prompts": self.prompts.accounting(), "buffer": self.buffer.counts(),
                 "manager": self.manager_stats()}
+
+    # ------------------------------------------------------------------------- operators
+
+    def process_ids(self, manager: dict[str, Any]) -> dict[str, Any]:
+        """Everything is this process."""
+        return {"job": None, "driver": os.getpid(), "trainer": os.getpid(),
+                "rollouts": {loop.id: os.getpid() for loop in self.loops}, "relays": {}, "chain": []}
+
+    def rollout_nodes(self) -> dict[str, str]:
+        return {}  # one machine, no Ray nodes
+
+    def pool_depths(self) -> dict[str, int]:
+        acct = self.prompts.accounting()
+        return {"groups_leased": acct["leased"], "groups_returned": acct["returned"],
+                "groups_trained": acct["consumed"], "trajectories_in_flight": self.partials.size(),
+                "groups_ready": self.buffer.counts()["ready_groups"]}
+
+    def scale_up(self, n: int, new_node: bool = False) -> list[str]:
+        raise RuntimeError(ONE_PROCESS_SCALE)
+
+    def retire_worker(self, wid: str) -> int:
+        raise RuntimeError(ONE_PROCESS_SCALE)

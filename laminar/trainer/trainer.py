@@ -1,8 +1,8 @@
 """The GRPO trainer: one global batch of trajectories in, one new weight version out.
 
 Parts:
-- `collate` packs trajectories into right-padded tensors with the behaviour log-probs aligned
-  to the positions that predict each response token;
+- `collate` (batching.py) packs trajectories into right-padded tensors with the behaviour
+  log-probs aligned to the positions that predict each response token;
 - `Trainer.train_step` computes group advantages, splits the batch into `mini_batches` (one
   AdamW update each; gradients accumulate over length-sorted micro-batches within one), and
   bumps `version` once per global batch; with `old_logprobs` = `recompute` or `decoupled` the
@@ -39,7 +39,6 @@ import logging
 import math
 import time
 import warnings
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +48,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from laminar.config import ConfigError, TrainerConfig
 from laminar.devices import resolve_device, to_host
 from laminar.engine.lora import base_dir, merge
-from laminar.trainer import checkpoint
 from laminar.trainer.advantage import group_advantages
+from laminar.trainer.batching import Batch, collate, split_groups
+from laminar.trainer.checkpoint import load, save
 from laminar.trainer.loss import abs_diff_summary, fresh_abs_diffs, policy_loss, token_logprobs
 from laminar.trainer.ranks import Ranks, plan_micro_batches, shard
 from laminar.trainer.shards import push_from_shards
@@ -62,58 +62,6 @@ log = logging.getLogger("laminar.trainer")
 class NonFiniteTraining(RuntimeError):
     """`trainer.max_nonfinite_steps` optimizer updates in a row had a NaN or inf loss or
     gradient norm: training has diverged (the service checkpoints and stops the run)."""
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # [B, L] prompt + response, right-padded
-    attention_mask: torch.Tensor  # [B, L]
-    targets: torch.Tensor  # [B, L-1] input_ids shifted left: the token each position predicts
-    response_mask: torch.Tensor  # [B, L-1] 1 where the target is a response token
-    old_logprobs: torch.Tensor  # [B, L-1] behaviour log-probs at the response positions
-    advantages: torch.Tensor  # [B]
-    token_versions: torch.Tensor  # [B, L-1] the weight version that sampled each response
-    # token (read under response_mask; 0 elsewhere)
-
-    @property
-    def num_response_tokens(self) -> int:
-        return int(self.response_mask.sum())
-
-    def to(self, device: torch.device) -> "Batch":
-        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
-
-
-def collate(trajs: list[Trajectory], advantages: torch.Tensor, pad_token_id: int) -> Batch:
-    width = max(t.num_tokens for t in trajs)
-    B = len(trajs)
-    input_ids = torch.full((B, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, width), dtype=torch.long)
-    response_mask = torch.zeros((B, width - 1))
-    old_logprobs = torch.zeros((B, width - 1))
-    token_versions = torch.zeros((B, width - 1), dtype=torch.long)
-    for row, t in enumerate(trajs):
-        seq = t.prompt_ids + t.response_ids
-        input_ids[row, :len(seq)] = torch.tensor(seq)
-        attention_mask[row, :len(seq)] = 1
-        start = len(t.prompt_ids) - 1  # position whose logits predict the first response token
-        end = start + len(t.response_ids)
-        response_mask[row, start:end] = (1.0 if t.loss_mask is None else  # observations: context
-                                          torch.tensor(t.loss_mask, dtype=torch.float32))
-        old_logprobs[row, start:end] = torch.tensor(t.logprobs, dtype=torch.float32)
-        mixed = t.token_versions is not None and len(t.token_versions) == len(t.response_ids)
-        token_versions[row, start:end] = torch.tensor(t.token_versions) if mixed else t.version
-    return Batch(input_ids, attention_mask, input_ids[:, 1:], response_mask, old_logprobs,
-                 advantages, token_versions)
-
-
-def split_groups(trajs: list[Trajectory], parts: int) -> list[list[Trajectory]]:
-    """Split into `parts` mini-batches of whole groups (a group's advantages belong together)."""
-    groups: dict[str, list[Trajectory]] = {}
-    for t in trajs:
-        groups.setdefault(t.group_id, []).append(t)
-    ordered = list(groups.values())
-    size = -(-len(ordered) // parts)
-    return [[t for g in ordered[i:i + size] for t in g] for i in range(0, len(ordered), size)]
 
 
 class Trainer:
@@ -165,7 +113,7 @@ class Trainer:
         it: the same Hugging Face model, whose target layers now hold `base_layer`, `lora_A` and
         `lora_B`. Its base is `base_dir` of the directory it was loaded from (a LoRA
         checkpoint's merged `model/` names its run's base; loading the checkpoint restores it)."""
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # peft: only with trainer.lora
 
         lora = self.cfg.lora
         uses: dict[int, int] = {}  # a weight under two names is tied (lm_head to the embeddings)
@@ -382,7 +330,7 @@ class Trainer:
 
     def lora_layers(self) -> dict[str, Any]:
         """trainer.lora: the adapted layers by the base model's dotted module name."""
-        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora import LoraLayer  # peft: only with trainer.lora
 
         return {name: m for name, m in self.module.named_modules() if isinstance(m, LoraLayer)}
 
@@ -415,16 +363,15 @@ class Trainer:
             if self.device.type != "cpu" and not hasattr(sink, "push_parts"):
                 named = to_host(named)  # a sink that keeps what it is handed gets host copies
             return sink.push(named, version)  # the relay's writer copies device -> its slot
-
         return push_from_shards(self, sink, version, chunk_bytes)
 
     def save_checkpoint(self, path: str | Path, tokenizer: PreTrainedTokenizerBase,
                         extra: dict[str, Any] | None = None) -> Path:
         """Write atomically: into `path.tmp`, then rename; a crash never leaves half a checkpoint."""
-        return checkpoint.save(self, Path(path), tokenizer, extra or {})
+        return save(self, Path(path), tokenizer, extra or {})
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer, version and RNG; returns the caller state saved with it."""
-        extra = checkpoint.load(self, Path(path))
+        extra = load(self, Path(path))
         self.weights_are_version = True  # the weights saved as its version
         return extra

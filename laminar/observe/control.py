@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from laminar.config import ConfigError
+
 STATUS_EVERY_S = 1.0
 STALE_S = 15.0  # a status older than this: the job is not running (or not polling)
 
@@ -106,8 +108,6 @@ def _rollout_order(rid: str) -> tuple[int, int]:
 
 
 def read_status(run_dir: Path) -> dict[str, Any]:
-    from laminar.config import ConfigError
-
     path = run_dir / "status.json"
     if not path.exists():
         raise ConfigError(f"'{run_dir}' has no status.json: is it the run directory of a job started "
@@ -117,8 +117,6 @@ def read_status(run_dir: Path) -> dict[str, Any]:
 
 def submit(run_dir: Path, request: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
     """Hand `request` to the running job in `run_dir`; returns its reply."""
-    from laminar.config import ConfigError
-
     status = read_status(run_dir)
     age = time.time() - status["updated_at"]
     if status.get("finished") or age > STALE_S:

@@ -45,7 +45,7 @@ from typing import Any
 import psutil
 
 from laminar.runtime import RAY_ENV
-from laminar.runtime.netns import Netns
+from laminar.devcluster.netns import Netns
 
 STATE_ROOT = Path(os.environ.get("LAMINAR_CLUSTER_DIR", "/var/tmp/laminar-clusters"))
 MiB = 1 << 20
@@ -348,7 +348,7 @@ def node_table(address: str, expect: list[str] | None = None,
     """The cluster's nodes as the head's GCS lists them ({id, ip, alive, cpus}), waiting up to
     `timeout_s` for every IP in `expect` to be alive. Asked from a child process, so this
     process never joins the cluster."""
-    out = subprocess.run([sys.executable, "-m", "laminar.runtime.nscluster", "nodes", address,
+    out = subprocess.run([sys.executable, "-m", "laminar.devcluster.nscluster", "nodes", address,
                           ",".join(expect or []), str(timeout_s)], capture_output=True, text=True,
                          timeout=timeout_s + 60,
                          env={**os.environ, "RAY_AUTH_MODE": "disabled"})
@@ -365,7 +365,7 @@ def find_state(name: str = "default") -> ClusterState | None:
 
 def node_rows() -> list[dict[str, Any]]:
     """The joined cluster's node table: {id, ip, alive, cpus, head} per node (Ray's GCS)."""
-    import ray
+    import ray  # heavy: only the commands that join the cluster need it
 
     return [{"id": n["NodeID"], "ip": n["NodeManagerAddress"], "alive": bool(n["Alive"]),
              "cpus": n.get("Resources", {}).get("CPU", 0.0),
@@ -375,7 +375,7 @@ def node_rows() -> list[dict[str, Any]]:
 def _print_nodes(address: str, expect: list[str], timeout_s: float) -> None:
     """Child-process helper: the GCS's node table as one JSON line, once every IP in `expect`
     is alive or `timeout_s` passed."""
-    import ray
+    import ray  # heavy: only the commands that join the cluster need it
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address=address, logging_level="ERROR", log_to_driver=False, include_dashboard=False)

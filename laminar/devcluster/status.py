@@ -16,15 +16,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from laminar.config import ConfigError
+from laminar.devcluster.nscluster import find_state, node_rows
+
 RELAY_NAMESPACE = "laminar"
 
 
 def gather(address: str, timeout_s: float = 10.0) -> dict[str, Any]:
     """{nodes: [...], jobs: {job: [relay heartbeat or {id, error}]}} of the cluster at
     `address`."""
-    import ray
-
-    from laminar.runtime.nscluster import node_rows
+    import ray  # heavy: `laminar cluster up | down` never needs it
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
@@ -115,9 +116,6 @@ def render(status: dict[str, Any]) -> str:
 
 
 def main(address: str | None, name: str) -> int:
-    from laminar.config import ConfigError
-    from laminar.runtime.nscluster import find_state
-
     if address is None:
         state = find_state(name)
         if state is None:

@@ -8,7 +8,7 @@ Each node's uplink and downlink can be capped with a `tc` token-bucket filter (`
 delayed with `netem` (`latency_ms`). Needs root and iproute2 (`ip`, `tc`); `Netns.available()`
 says whether this machine allows it. Everything created carries a random tag and is removed on
 exit. Used by the relay benchmark (laminar/bench/relay.py) and by the namespaced Ray cluster
-(laminar/runtime/nscluster.py).
+(laminar/devcluster/nscluster.py).
 """
 
 from __future__ import annotations
