@@ -166,11 +166,11 @@ def checked(cfg: Any) -> Any:
 
 
 def cluster_command(args: argparse.Namespace) -> int:
-    from laminar.devcluster.nscluster import ClusterError, NamespacedCluster
+    from laminar.devcluster.nscluster import ClusterError, NamespacedCluster  # a sub-command's own
 
     try:
         if args.action == "status":
-            from laminar.devcluster.status import main as status_main
+            from laminar.devcluster.status import main as status_main  # a sub-command's own
 
             return status_main(args.address, args.name)
         cluster = NamespacedCluster(getattr(args, "nodes", 1), getattr(args, "bandwidth_mbit", None),
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "scale":
             from pathlib import Path
 
-            from laminar.observe.control import submit
+            from laminar.observe.control import submit  # a sub-command's own
 
             if not (args.add or args.remove or args.rollouts is not None):
                 raise ConfigError("laminar scale: say what to change: --add N [--new-node], "
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "status":
             from pathlib import Path
 
-            from laminar.observe.control import read_status, render_status
+            from laminar.observe.control import read_status, render_status  # a sub-command's own
 
             print(render_status(read_status(Path(args.run_dir))), end="")
     except ConfigError as e:

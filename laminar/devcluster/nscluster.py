@@ -44,8 +44,9 @@ from typing import Any
 
 import psutil
 
-from laminar.runtime import RAY_ENV
+import laminar
 from laminar.devcluster.netns import Netns
+from laminar.runtime import RAY_ENV
 
 STATE_ROOT = Path(os.environ.get("LAMINAR_CLUSTER_DIR", "/var/tmp/laminar-clusters"))
 MiB = 1 << 20
@@ -321,8 +322,6 @@ def teardown(s: ClusterState) -> None:
 def _installed_under_tmp() -> list[str]:
     """Top folders under /tmp that hold this Python, its environment or laminar itself: a
     worker node's private /tmp must still show them (every node has the installation)."""
-    import laminar
-
     tmp = Path("/tmp").resolve()
     tops = set()
     for p in (sys.prefix, sys.base_prefix, sys.executable, Path(laminar.__file__).resolve().parents[1]):
