@@ -56,12 +56,14 @@ def _resolve(name: str) -> str | None:
 
 
 def _imports(path: Path) -> list[str]:
-    """Every name `path` imports, at module level or in a function; TYPE_CHECKING blocks aside."""
+    """Every name `path` imports, at module level or in a function; TYPE_CHECKING blocks and the
+    `if __name__ == "__main__":` block (a script's entry, run as its own module) aside."""
     found: list[str] = []
 
     def walk(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            if isinstance(child, ast.If) and ("TYPE_CHECKING" in ast.unparse(child.test)
+                                              or "__main__" in ast.unparse(child.test)):
                 continue
             if isinstance(child, ast.Import):
                 found.extend(a.name for a in child.names)
