@@ -48,7 +48,7 @@ def test_bench_modes_options_fail_early_with_a_clear_message(capsys):
     assert main(["bench", "engine", "--set", "rollout.num_workers=4"]) == 2
     assert "apply to `laminar bench modes` only" in capsys.readouterr().err
     assert main(["bench", "relay", "--backend", "native,vllm"]) == 2
-    assert "--backend and --model apply to `laminar bench engine` only" in capsys.readouterr().err
+    assert "--backend, --model and --device apply to `laminar bench engine` only" in capsys.readouterr().err
     assert main(["bench", "engine", "--quick", "--model", "/nonexistent/model"]) == 2
     assert "--model '/nonexistent/model' is not a directory" in capsys.readouterr().err
     assert main(["bench", "engine", "--quick", "--backend", "native,sglang"]) == 2

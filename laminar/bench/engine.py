@@ -301,33 +301,11 @@ def _write_knee(result: dict, load: list[float]) -> None:
     print(f"wrote {file}")
 
 
-# -- history: what each commit of the engine bought -------------------------------------------
-#
-#   python -m laminar.bench.engine --history 8c44aa7 HEAD --preset small
-#
-# Each revision's `laminar/` is exported with `git archive` and timed in its own subprocess on
-# the same workload (best of 3 runs inside the process; 1 for the slow static backend),
-# revisions alternating `repeats` times and the medians compared: the machine is shared, only
-# comparisons inside one run mean anything. The snippet uses only APIs every revision has.
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # (--history and --profile: python -m laminar.bench.engine_history)
     parser = argparse.ArgumentParser(description="engine benchmark; see the module docstring")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--backend", default="native",
                         help="engines to time: native, or native,vllm (vLLM installed)")
-    parser.add_argument("--history", nargs="+", metavar="REV",
-                        help="time the native engine of these git revisions against each other")
-    parser.add_argument("--profile", action="store_true",
-                        help="print where one native run spends its CPU time")
-    parser.add_argument("--preset", default="tiny", help="model preset for --history/--profile")
-    parser.add_argument("--requests", type=int, default=512,
-                        help="workload size for --history/--profile")
-    parser.add_argument("--repeats", type=int, default=3, help="alternations for --history")
     args = parser.parse_args()
-    if args.profile or args.history:
-        from laminar.bench import engine_history  # it imports this module: not at the top
-
-        engine_history.cli(args)
-    else:
-        main(quick=args.quick, out=args.out, backends=args.backend)
+    main(quick=args.quick, out=args.out, backends=args.backend)

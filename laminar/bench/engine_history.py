@@ -1,9 +1,10 @@
-"""`python -m laminar.bench.engine --history REV... | --profile`: the native engine's tokens/s
+"""`python -m laminar.bench.engine_history --history REV... | --profile`: the native engine's tokens/s
 across git revisions of laminar (each revision's own code, in a subprocess), and where one
 native run spends its CPU time (torch profiler)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -18,6 +19,15 @@ from laminar.bench.backends import MAX_BATCH_SIZE
 from laminar.bench.engine import THREADS, build_workload, run_native
 from laminar.models import build_preset
 
+
+# -- history: what each commit of the engine bought -------------------------------------------
+#
+#   python -m laminar.bench.engine_history --history 8c44aa7 HEAD --preset small
+#
+# Each revision's `laminar/` is exported with `git archive` and timed in its own subprocess on
+# the same workload (best of 3 runs inside the process; 1 for the slow static backend),
+# revisions alternating `repeats` times and the medians compared: the machine is shared, only
+# comparisons inside one run mean anything. The snippet uses only APIs every revision has.
 
 _HISTORY_SNIPPET = r"""
 import sys, time, torch
@@ -108,8 +118,18 @@ def profile(preset: str, num_requests: int) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
-def cli(args) -> None:
-    """The `--profile` / `--history` half of `python -m laminar.bench.engine`."""
+def cli(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--history", nargs="+", metavar="REV",
+                      help="time the native engine of these git revisions against each other")
+    what.add_argument("--profile", action="store_true",
+                      help="print where one native run spends its CPU time")
+    parser.add_argument("--preset", default="tiny", help="model preset")
+    parser.add_argument("--requests", type=int, default=512, help="workload size")
+    parser.add_argument("--repeats", type=int, default=3, help="alternations for --history")
+    parser.add_argument("--out", default=None, help="--history: write the rows as JSON")
+    args = parser.parse_args(argv)
     if args.profile:
         profile(args.preset, args.requests)
         return
@@ -117,3 +137,7 @@ def cli(args) -> None:
     _print_history(result, args.preset, args.requests)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    cli()
