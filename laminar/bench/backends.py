@@ -22,11 +22,13 @@ from pathlib import Path
 
 import torch
 
-from laminar.provenance import provenance
 from laminar.engine import Engine
 from laminar.engine.protocol import RolloutEngine
+from laminar.engine.vllm_engine import VLLMEngine  # imports vllm only when an engine starts
 from laminar.models import PAD_ID, build_preset, load_pretrained
-from laminar.models.builder import PRESETS
+from laminar.models.builder import PRESETS, build_shaped
+from laminar.provenance import provenance
+from laminar.trainer.loss import token_logprobs
 from laminar.types import GenerationRequest, SamplingParams
 
 MAX_BATCH_SIZE = 64
@@ -84,8 +86,6 @@ def load_s_per_mb(engine: RolloutEngine | torch.nn.Module, named: dict[str, torc
 @torch.no_grad()
 def logprob_abs_diff(model, requests: list[GenerationRequest]) -> torch.Tensor:
     """|recorded log-prob - the trainer's recompute| per token (fp32, teacher-forced)."""
-    from laminar.trainer.loss import token_logprobs
-
     diffs = []
     for r in requests:
         ids = torch.tensor([r.prompt_ids + r.output_ids])
@@ -99,8 +99,6 @@ def bench_vllm(model, preset: str, workload, repeats: int, no_eos: int,
                other: dict[str, torch.Tensor]) -> dict:
     """vLLM's engine on the workload, its weight loads and its log-prob agreement with the
     trainer."""
-    from laminar.engine.vllm_engine import VLLMEngine
-
     start = time.perf_counter()
     engine = VLLMEngine(model, no_eos, PAD_ID, max_batch_size=MAX_BATCH_SIZE)
     start_s = time.perf_counter() - start
@@ -155,9 +153,6 @@ def load_scaling(shapes: dict[str, tuple[int, int, int, int]] = LOAD_SHAPES,
                  repeats: int = 5) -> list[dict]:
     """Per model shape: vLLM's in-place load and `load_state_dict`, ms per MB and their ratio
     (both load the same other weights; one engine per shape, started untimed)."""
-    from laminar.engine.vllm_engine import VLLMEngine
-    from laminar.models.builder import build_shaped
-
     rows = []
     for name, shape in shapes.items():
         model = build_shaped(shape).eval()

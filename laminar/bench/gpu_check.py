@@ -33,6 +33,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from laminar.bench.relay_node import RelayProcess
+from laminar.cli import build_parser
+from laminar.config import PRESET_POSITIONS, ConfigError, RelayConfig, load_config
+from laminar.devices import StagingBuffer, resolve_device, stage_copy
+from laminar.doctor import backend_rows, host_rows, torch_rows
+from laminar.models import load_pretrained, save_pretrained
+from laminar.models.builder import VOCAB_SIZE
+from laminar.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer
+from laminar.provenance import provenance
+from laminar.relay.client import Puller, Pusher
+from laminar.relay.plan import RelayInfo, build_chain
+
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "docs" / "results" / "gpu-check.json"
 # Qwen2-0.5B's shape with laminar's vocabulary (models/builder.py VOCAB_SIZE)
@@ -47,11 +62,6 @@ JOB_STEPS = 20
 
 
 def model_config(device: str) -> Any:
-    from transformers import Qwen2Config
-
-    from laminar.config import PRESET_POSITIONS
-    from laminar.models.builder import VOCAB_SIZE
-    from laminar.models.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
     return Qwen2Config(vocab_size=VOCAB_SIZE, max_position_embeddings=PRESET_POSITIONS,
                        tie_word_embeddings=True, pad_token_id=PAD_ID, bos_token_id=BOS_ID,
@@ -68,11 +78,6 @@ def param_count(cfg: Any) -> int:
 
 
 def build_model(device: str, out_dir: Path) -> dict[str, Any]:
-    import torch
-    from transformers import Qwen2ForCausalLM
-
-    from laminar.models import save_pretrained
-    from laminar.models.tokenizer import build_char_tokenizer
 
     cfg = model_config(device)
     t0 = time.perf_counter()
@@ -94,14 +99,7 @@ def relay_stage(model_dir: Path, device_setting: str, reps: int) -> dict[str, An
     import uuid
     from dataclasses import asdict
 
-    import torch
 
-    from laminar.bench.relay_node import RelayProcess
-    from laminar.config import RelayConfig
-    from laminar.devices import StagingBuffer, resolve_device, stage_copy
-    from laminar.models import load_pretrained
-    from laminar.relay.client import Puller, Pusher
-    from laminar.relay.plan import RelayInfo, build_chain
 
     device = resolve_device(device_setting, "--device")
     source, _ = load_pretrained(model_dir)
@@ -158,8 +156,6 @@ def relay_stage(model_dir: Path, device_setting: str, reps: int) -> dict[str, An
 
 def _sync(device: Any) -> None:
     if device.type == "cuda":
-        import torch
-
         torch.cuda.synchronize()
 
 
@@ -192,11 +188,8 @@ def engine_command(model_dir: Path, out: Path, device: str = "cuda") -> tuple[li
 
 def _bench_help() -> str:
     """The options `laminar bench` takes (its parser, in this process)."""
-    import argparse as ap
 
-    from laminar.cli import build_parser
-
-    sub = next(a for a in build_parser()._actions if isinstance(a, ap._SubParsersAction))
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices["bench"].format_help()
 
 
@@ -213,8 +206,6 @@ def job_overrides(model_dir: Path, run_dir: Path, device: str) -> list[str]:
 
 
 def job_command(model_dir: Path, run_dir: Path, device: str) -> tuple[list[str], list[str]]:
-    from laminar.config import ConfigError, load_config
-
     overrides = job_overrides(model_dir, run_dir, device)
     problems = []
     try:
@@ -289,7 +280,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         Path(a.stage_out).write_text(json.dumps(result))
         return result
 
-    from laminar.provenance import provenance
 
     work = Path(a.work or tempfile.mkdtemp(prefix="laminar-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -303,8 +293,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "params": param_count(cfg)},
         "timeouts_s": TIMEOUTS_S, "stages": {}}
     try:  # what this machine is (the sandbox and Ray rows do not matter here)
-        from laminar.doctor import backend_rows, host_rows, torch_rows
-
         t_rows, build = torch_rows()
         rows = t_rows + host_rows() + backend_rows(build)
         result["doctor"] = {f"{r.section}.{r.name}": f"{r.status}: {r.detail}" for r in rows}

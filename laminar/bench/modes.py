@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from laminar.bench import learning, trl
+from laminar.bench.modes_tables import fmt, print_tables
 from laminar.bench.cpu import CpuMeter
 from laminar.config import Config, ConfigError, load_config
 from laminar.metrics import read_metrics, read_rows
@@ -214,7 +215,7 @@ def run_condition(modes: list[str], steps: int, repeats: int, root: Path,
             runs[m].append(run_mode(m, steps, root / f"{label}-{r}", overrides, task))
             res = runs[m][-1]
             print(f"  {m}: {res['throughput']:.0f} tok/s, held-out "
-                  f"{_fmt(res['heldout_start'])} -> {_fmt(res['heldout_final'])} in "
+                  f"{fmt(res['heldout_start'])} -> {fmt(res['heldout_final'])} in "
                   f"{res['train_wall_s']:.0f} s", flush=True)
     return runs
 
@@ -267,10 +268,6 @@ def _median_run(runs: list[dict[str, Any]], times: list[float | None]) -> dict[s
     """The run whose time to the target is the median one (the first run when none got there)."""
     order = sorted(range(len(runs)), key=lambda i: np.inf if times[i] is None else times[i])
     return runs[order[(len(order) - 1) // 2]] if any(t is not None for t in times) else runs[0]
-
-
-def _fmt(x: float | None, spec: str = ".3f", none: str = "-") -> str:
-    return none if x is None else format(x, spec)
 
 
 def main(quick: bool = False, out: str | None = None, modes: str | None = None,
@@ -339,7 +336,7 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
                            if k not in ("heldout", "reward_curve", "env_latency_s", "turns")}
                           for r in rs] for m, rs in on.items()}
     report["provenance"] = prov
-    print_tables(report)
+    print_tables(report, mode_steps("laminar", report["steps"]), BREAKDOWN)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=1))
@@ -380,64 +377,3 @@ def run_trl_reference(root: Path, overrides: list[str], steps: int) -> dict[str,
     found = versions()
     return {**result, "probe_tokens_per_s": speeds, "steps": steps,
             "version": found["trl"], "transformers": found["transformers"]}
-
-
-def print_tables(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=160)
-    for title, s in (("env latency on", report),
-                     ("control: env latency off", report.get("control_env_latency_off"))):
-        if not s:
-            continue
-        target = s["heldout_target"]
-        table = Table(title=f"laminar bench modes, {title}: sync {report['steps']} steps, the others "
-                            f"{mode_steps('laminar', report['steps'])}; {report['repeats']} repeats "
-                            "(medians; min-max)")
-        for col in ("mode", "tok/s", "laminar/mode", "held-out start -> final",
-                    f"time to held-out {_fmt(target)}", "sync time / mode time", "staleness"):
-            table.add_column(col)
-        for m in s["throughput_by_mode"]:
-            rng = s["ratio_laminar_vs_range"].get(m)
-            final = s["heldout_final_by_mode"].get(m)
-            ttt = s["time_to_heldout_target_s_by_mode"].get(m)
-            sync_t = s["time_to_heldout_target_s_by_mode"].get("sync")
-            table.add_row(
-                m, f"{s['throughput_by_mode'][m]:.0f}",
-                "-" if m == "laminar" or m not in s["ratio_laminar_vs"] else
-                f"{s['ratio_laminar_vs'][m]:.2f}x" + (f" ({rng[0]:.2f}-{rng[1]:.2f})" if rng else ""),
-                "-" if final is None else f"{_fmt(s['heldout_start'], '.2f')} -> {final['median']:.2f}",
-                "-" if m not in s["time_to_heldout_target_s_by_mode"] else
-                f"{ttt:.0f} s" if ttt is not None else "not reached",
-                f"{sync_t / ttt:.2f}x" if ttt and sync_t else "-",
-                " ".join(f"{k}:{v}" for k, v in s["staleness_hist_by_mode"].get(m, {}).items()))
-        console.print(table)
-    pred = report.get("simulator_prediction")
-    if pred:
-        console.print("simulator's prediction for this machine (laminar/mode): " + ", ".join(
-            f"{m} {r:.2f}x predicted, {pred['measured_ratio_laminar_vs'][m]:.2f}x measured"
-            for m, r in pred["predicted_ratio_laminar_vs"].items() if m in pred["measured_ratio_laminar_vs"]))
-    if report.get("trl"):
-        t = report["trl"]
-        console.print(f"TRL {t['version']} ({t['setting']}; probes: "
-                      f"{', '.join(f'{k} {v:.0f}' for k, v in t['probe_tokens_per_s'].items())} tok/s): "
-                      f"{t['throughput']:.0f} tok/s over {t['steps']} steps, held-out greedy exact "
-                      f"match at its end {t['final_heldout']:.2f}; laminar/TRL "
-                      f"{report['ratio_laminar_vs']['trl']:.2f}x")
-    detail = Table(title="where the time goes (means after warm-up, first repeat, env latency on)")
-    for col in ("mode", "step s", "train s", "trainer idle", "rollout idle", "gen tok/s",
-                "push stall s", "pull s", "KV util", "repacks"):
-        detail.add_column(col)
-    for m, b in report["breakdown_by_mode"].items():
-        detail.add_row(m, *("-" if b[k] is None else f"{b[k]:.3g}" for k in (*BREAKDOWN, "repacks")))
-    console.print(detail)
-    cpu = Table(title="where the CPU goes (CPU seconds over each mode's first run)")
-    parts = ("TrainerActor", "RolloutActor", "PromptPool", "ExperienceBuffer", "PartialPool",
-             "ManagerActor", "Relay", "driver", "ray daemons")
-    for col in ("mode", "wall s", *parts, "CPU s per 1k trained tokens"):
-        cpu.add_column(col)
-    for m, c in report["cpu_by_mode"].items():
-        cpu.add_row(m, f"{c['wall_s']:.0f}", *(f"{c['seconds'].get(p, 0):.1f}" for p in parts),
-                    f"{c['per_trained_ktoken']:.3f}")
-    console.print(cpu)

@@ -5,15 +5,11 @@ needs the OpenAI endpoint)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
 from laminar.config.base import PRESET_POSITIONS, Section
-
-if TYPE_CHECKING:
-    from laminar.config.schema import Config
-
 
 class ReverseTaskConfig(Section):
     median_len: int = Field(6, ge=1, description="Median prompt length in characters.")
@@ -160,7 +156,7 @@ class TaskConfig(Section):
                       "draws its prompts from task.reasoning_gym.seed).")
 
 
-def task_rules(cfg: Config) -> None:
+def task_rules(cfg: Any) -> None:  # cfg: the root Config (schema.py, which imports this)
     """Raise ValueError (shown as one config error) where the task's settings cannot work with
     the rest of the config."""
     task = cfg.task
