@@ -25,6 +25,8 @@ RETIRED = {
     "discarding samples (which biases training toward short responses); use "
     "rollout.max_outstanding_batches (how many global batches generation may run ahead of the "
     "trainer, AReaL's eta + 1) and, in laminar mode, rollout.version_lag",
+    "trainer.behaviour_weight_cap": "it moved with decoupled PPO into the off-policy "
+    "corrections: write trainer.correction=decoupled trainer.correction.cap=VALUE",
     "relay.rate_limit_mbps": "it was removed: slow links are emulated by the relay benchmark "
     "only (laminar/bench/links.py); delete the key",
 }
