@@ -103,7 +103,15 @@ def _anchor_files(data: dict[str, Any], base: Path) -> None:
 
 
 def move_renamed(data: dict[str, Any]) -> None:
-    """Move every RENAMED key found in `data` to its new place (one already set there wins)."""
+    """Move every RENAMED key found in `data` to its new place (one already set there wins),
+    and an older run's decoupled PPO (`trainer.old_logprobs=decoupled`, its cap in
+    `trainer.behaviour_weight_cap`) to `trainer.correction`."""
+    trainer = _section(data, ["trainer"])
+    if trainer is not None and "behaviour_weight_cap" in trainer:
+        cap = trainer.pop("behaviour_weight_cap")
+        if trainer.get("old_logprobs") == "decoupled":
+            del trainer["old_logprobs"]
+            trainer["correction"] = {"kind": "decoupled", "cap": cap}
     for old, (new, _) in RENAMED.items():
         *parents, leaf = old.split(".")
         node = _section(data, parents)
