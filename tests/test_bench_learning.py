@@ -53,7 +53,7 @@ def fake_run(throughput: float, curve: list[list[float]], steps: int = 10) -> di
     return {"throughput": throughput, "heldout": curve, "reward_curve": [(1.0, 0.5)],
             "heldout_start": curve[0][2], "heldout_final": curve[-1][2] if curve[-1][1] == steps else None,
             "train_wall_s": curve[-1][0], "staleness": {0: 1}, "breakdown": {}, "cpu": {},
-            "old_logprobs": "rollout"}
+            "old_logprobs": "rollout", "correction": "none"}
 
 
 def test_summary_of_repeats_gives_the_target_and_who_reached_it_when():
