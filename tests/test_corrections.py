@@ -149,3 +149,37 @@ def test_a_batch_mixing_versions_v_and_v_minus_4_is_weighted_as_the_formula_says
     dropped = int((by_hand == 0).sum())
     assert stats["correction_dropped_tokens"] == dropped
     assert stats["correction_masked"] == pytest.approx(dropped / 6)
+
+
+E2E = ["cluster.backend=local", "sft.enabled=false", "task.reverse.max_len=8",
+       "rollout.max_new_tokens=9", "rollout.group_size=4", "trainer.prompts_per_step=4",
+       "task.eval_prompts=4", "trainer.threads=1", "trainer.lr=1e-3", "trainer.total_steps=5",
+       "trainer.checkpoint_every=0", "metrics.tensorboard=false", "metrics.live=off"]
+STEP_KEYS = ("logprob_abs_diff_mean", "logprob_abs_diff_p99", "logprob_abs_diff_all_mean",
+             "logprob_abs_diff_all_p99", "mismatch_kl_k3", "is_ratio_p1", "is_ratio_p50",
+             "is_ratio_p99", "entropy")
+CORRECTION_KEYS = ("correction_weight_mean", "correction_masked", "correction_clipped",
+                   "correction_dropped_tokens")
+
+
+@pytest.mark.parametrize("kind", ["none", "tis", "mis", "icepop", "geo_mask", "decoupled", "m2po"])
+def test_a_five_step_run_per_correction_writes_the_new_metrics(kind, tmp_path):
+    """The one-process runtime (sync: every sample fresh, so the native engine's fp32 numerics
+    are the whole mismatch and every correction keeps every token); ~2 s each."""
+    from laminar.config import load_config
+    from laminar.metrics import read_metrics
+    from laminar.modes import run_training
+
+    cfg = load_config("examples/reverse-sync.yaml", E2E + [f"run_dir={tmp_path}",
+                                                           f"trainer.correction={kind}"])
+    run_training(cfg)
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    for r in rows:
+        for key in STEP_KEYS + (CORRECTION_KEYS if kind != "none" else ()):
+            assert r[key] is not None, (key, r)
+        assert r["logprob_abs_diff_all_p99"] < 1e-4 and abs(r["mismatch_kl_k3"]) < 1e-8
+        assert r["is_ratio_p1"] == pytest.approx(1.0, abs=1e-4) == r["is_ratio_p99"]
+        assert 0.0 < r["entropy"]
+        if kind not in ("none", "geo_mask"):  # geo_mask's band [0.99, 1.01] holds too
+            assert r["correction_dropped_tokens"] == 0 and r["correction_masked"] == 0.0
