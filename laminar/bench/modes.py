@@ -245,8 +245,11 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "heldout_final_by_mode": {m: learning.summary([r["heldout_final"] for r in rs
                                                        if r["heldout_final"] is not None])
                                   for m, rs in runs.items()},
-        "sync_heldout_gain": (float(np.median(sync_finals)) - start) if target is not None else None,
+        "sync_heldout_gain": (float(np.median(sync_finals)) - start)
+        if start is not None and sync_finals else None,
         "heldout_target": target,
+        "heldout_target_note": learning.NO_GAIN if start is not None and sync_finals
+        and target is None else None,
         "time_to_heldout_target_s_by_mode": ttt_median,
         "time_to_heldout_target_s_runs": ttt,
         "heldout_speedup_laminar_vs": {m: v / lam for m, v in ttt_median.items()
@@ -399,11 +402,14 @@ def print_tables(report: dict[str, Any]) -> None:
         if not s:
             continue
         target = s["heldout_target"]
+        if s.get("heldout_target_note"):
+            console.print(f"{title}: {s['heldout_target_note']} (sync's held-out "
+                          f"{_fmt(s['heldout_start'])} -> {_fmt(s['heldout_start'] + s['sync_heldout_gain'])})")
         table = Table(title=f"laminar bench modes, {title}: sync {report['steps']} steps, the others "
                             f"{mode_steps('laminar', report['steps'])}; {report['repeats']} repeats "
                             "(medians; min-max)")
         for col in ("mode", "tok/s", "laminar/mode", "held-out start -> final",
-                    f"time to held-out {_fmt(target)}", "sync time / mode time", "staleness"):
+                    f"time to held-out {_fmt(target)}" if target is not None else learning.NO_GAIN, "sync time / mode time", "staleness"):
             table.add_column(col)
         for m in s["throughput_by_mode"]:
             rng = s["ratio_laminar_vs_range"].get(m)
