@@ -118,7 +118,7 @@ TRL_STEPS = 20  # TRL is timed, not raced to the target: tokens/s after warm-up
 
 def bench_config(mode: str, steps: int, run_dir: Path, overrides: list[str] = (),
                  task: str = "reverse") -> Config:
-    algorithm = [f"trainer.correction={REFERENCE_CORRECTION[mode]}"]
+    algorithm = [f"trainer.correction.kind={REFERENCE_CORRECTION[mode]}"]
     return load_config(None, WORKLOADS[task] + algorithm + list(overrides) + [
         f"mode={mode}", f"trainer.total_steps={steps}", f"run_dir={run_dir}", f"name=bench-{mode}"])
 
