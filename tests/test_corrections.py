@@ -151,6 +151,34 @@ def test_a_batch_mixing_versions_v_and_v_minus_4_is_weighted_as_the_formula_says
     assert stats["correction_masked"] == pytest.approx(dropped / 6)
 
 
+@pytest.mark.parametrize("perturb", [0.0, 0.05])
+def test_the_mismatch_over_every_token_is_zero_for_the_same_weights_and_not_for_perturbed(perturb):
+    """Behaviour log-probs from the trainer's own weights (recompute, fp32): every new metric is
+    ~0 (ratio 1); from a copy with noise on its weights, they are not."""
+    import copy
+
+    torch.manual_seed(0)
+    trainer = Trainer(build_preset("tiny"), TrainerConfig(old_logprobs="recompute"), pad_token_id=0)
+    behaviour = copy.deepcopy(trainer.model)
+    with torch.no_grad():
+        for p in behaviour.parameters():
+            p.add_(perturb * torch.randn_like(p))
+    trajs = [Trajectory(traj_id=f"g/{i}", group_id="g", prompt_ids=[1, 5 + i], response_ids=[7, 8 + i, 2],
+                        logprobs=[0.0] * 3, version=0, reward=float(i % 2)) for i in range(4)]
+    lp = trainer.sequence_logprobs(behaviour, collate(trajs, torch.zeros(4), 0))
+    for row, t in enumerate(trajs):
+        t.logprobs = lp[row, 1:4].tolist()
+    stats = trainer.train_step(trajs)
+    if perturb == 0.0:
+        assert stats["logprob_abs_diff_all_p99"] < 1e-5 and abs(stats["mismatch_kl_k3"]) < 1e-9
+        assert stats["is_ratio_p1"] == pytest.approx(1.0, abs=1e-5) == stats["is_ratio_p99"]
+    else:
+        assert stats["logprob_abs_diff_all_mean"] > 1e-3 and stats["mismatch_kl_k3"] > 0
+        assert stats["is_ratio_p1"] < 1.0 < stats["is_ratio_p99"]
+    # staleness 0 here: the fresh-token metric sees the same tokens
+    assert stats["logprob_abs_diff_p99"] == pytest.approx(stats["logprob_abs_diff_all_p99"], rel=1e-5, abs=1e-9)
+
+
 E2E = ["cluster.backend=local", "sft.enabled=false", "task.reverse.max_len=8",
        "rollout.max_new_tokens=9", "rollout.group_size=4", "trainer.prompts_per_step=4",
        "task.eval_prompts=4", "trainer.threads=1", "trainer.lr=1e-3", "trainer.total_steps=5",
