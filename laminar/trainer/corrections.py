@@ -128,8 +128,7 @@ def correction_weights(cfg: CorrectionConfig, log_rho: torch.Tensor,
     else:
         raise ValueError(f"trainer.correction.kind={kind!r} is not a correction")
     n = mask.sum().clamp(min=1.0)
-    clipped = (torch.exp(log_rho if cfg.level == "token" else _sequence_log_ratio(log_rho, mask))
-               .expand_as(mask) > cfg.cap) & (mask > 0) if kind == "tis" else mask < 0
+    clipped = (w >= cfg.cap) & (mask > 0) if kind == "tis" else mask < 0  # tis: w = min(rho, cap)
     stats = {"correction_weight_mean": float((w * mask).sum() / n),
              "correction_masked": float(((w == 0) & (mask > 0)).sum() / n),
              "correction_clipped": float(clipped.sum() / n)}

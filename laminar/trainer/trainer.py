@@ -5,10 +5,9 @@ Parts:
   log-probs aligned to the positions that predict each response token;
 - `Trainer.train_step` computes group advantages, splits the batch into `mini_batches` (one
   AdamW update each; gradients accumulate over length-sorted micro-batches within one), and
-  bumps `version` once per global batch; with `old_logprobs` = `recompute` (which every
-  `trainer.correction` but `none` implies) the ratio is taken against a copy of the weights as
-  they were when the global batch began, and the correction (laminar/trainer/corrections.py)
-  weighs each token by its pi_prox / pi_behaviour.
+  bumps `version` once per global batch; with `old_logprobs=recompute` (any correction implies
+  it) the ratio is taken against a copy of the weights as they were when the global batch
+  began, and `trainer.correction` (corrections.py) weighs tokens by pi_prox / pi_behaviour.
   Trajectories whose reward failed (`failed` set) are left out before the group advantages;
   an update whose loss or gradient norm is not finite is skipped (`nonfinite_skipped`), and
   `trainer.max_nonfinite_steps` skipped in a row raise `NonFiniteTraining`;
@@ -28,9 +27,9 @@ Parts:
 - the engine-trainer mismatch: the trained tokens of a global batch that the weights of the
   trainer's current version sampled (staleness 0) are compared with the log-probs of exactly
   those weights: the first forward of each mini-batch before the global batch's first optimizer
-  step, or the proximal copy's (recompute: those weights all through the global
-  batch); the ranks gather every value, and the global batch reports
-  `logprob_abs_diff_mean` / `_p99` (None without such a token; loss.py `abs_diff_summary`);
+  step, or the proximal copy's (recompute: those weights all through the global batch); the
+  ranks gather every value, and the global batch reports `logprob_abs_diff_mean` / `_p99`
+  (None without such a token; loss.py `abs_diff_summary`);
   over every trained token, stale ones too, the same weights give `mismatch_summary`'s keys.
 """
 
@@ -181,8 +180,7 @@ class Trainer:
         # the log-probs of the weights published as this version: which tokens to compare
         exact = self._prox_are_version if self.prox_model is not None else self.weights_are_version
         measure = self.version if exact else None
-        # the weights the global batch began with: the proximal copy, or before the first step
-        at_start = self.prox_model is not None or self._prox_due
+        at_start = self.prox_model is not None or self._prox_due  # the global batch's weights
         args = [([([trajs[i] for i in g], [adv[i] for i in g]) for g in micro], num_tokens, steps,
                  refresh, measure, at_start) for micro in plan]
         if self.ranks is None:
