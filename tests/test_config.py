@@ -106,6 +106,9 @@ def test_a_correction_by_name_takes_its_defaults_and_recomputes():
     cfg = load_config(None, ["trainer.correction.kind=tis", "trainer.correction.cap=3",
                              "trainer.correction.level=sequence"]).trainer
     assert (cfg.correction.cap, cfg.correction.level) == (3.0, "sequence")
+    with pytest.raises(ConfigError, match="name the kind as a key: trainer.correction.kind=tis "
+                       "trainer.correction.cap=3"):
+        load_config(None, ["trainer.correction=tis", "trainer.correction.cap=3"])
     assert load_config(None).trainer.correction.kind == "none"
     assert load_config(None).trainer.old_logprobs == "rollout"
 

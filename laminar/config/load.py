@@ -148,6 +148,10 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         child = node.get(part)
         if child is None:
             child = node[part] = {}
+        if isinstance(child, str) and part == "correction":  # trainer.correction=NAME
+            raise ConfigError(f"override '{item}': {part} was given by name ({child!r}); to set "
+                              f"its parameters too, name the kind as a key: "
+                              f"trainer.correction.kind={child} {item}")
         if not isinstance(child, dict):
             raise ConfigError(f"override '{item}': '{part}' is a value, not a section")
         node = child
