@@ -19,6 +19,7 @@ BENCHMARKS = {
     "engine": "laminar.bench.engine",
     "relay": "laminar.bench.relay",
     "modes": "laminar.bench.modes",
+    "staleness": "laminar.bench.staleness",
     "faults": "laminar.bench.faults",
     "multinode": "laminar.bench.multinode",
     "repack": "laminar.bench.repack",
@@ -67,21 +68,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=None,
                    help=f"modes only: comma-separated subset of {','.join((*MODES, 'trl'))} "
                         "(default: all)")
-    p.add_argument("--steps", type=int, default=None, help="modes only: trainer steps per mode")
+    p.add_argument("--steps", type=int, default=None, help="modes and staleness: trainer steps per run")
     p.add_argument("--repeats", type=int, default=None,
-                   help="modes only: runs of every mode (default 3; 1 with --quick)")
+                   help="modes and staleness: runs of every mode or cell (default 3 and 2; 1 with --quick)")
     p.add_argument("--no-control", dest="control", action="store_false", default=None,
                    help="modes only: skip the control runs with the env latency off")
     p.add_argument("--task", default=None,  # laminar.bench.modes.WORKLOADS checks it
-                   help="modes only: the workload: reverse (default; emulated tool latency), "
+                   help="modes and staleness: the workload: reverse (default; emulated tool latency), "
                         "calc (the agentic task: real sandboxed tool calls) or reasoning_gym "
                         "(examples/reasoning-gym.yaml's task; needs the tasks extra)")
     p.add_argument("--predicted", default=None, metavar="JSON",
                    help="modes only: the simulator's prediction for this machine (`laminar "
                         "simulate --calibration LOCAL.json --out JSON`), compared with the measured ratios")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="modes only: change the shared workload (repeatable), e.g. "
+                   help="modes and staleness: change the shared workload (repeatable), e.g. "
                         "--set rollout.num_workers=4")
+    p.add_argument("--lags", default=None, help="staleness only: rollout.version_lag values, "
+                   "e.g. 1,2,4,8 (the default)")
+    p.add_argument("--corrections", default=None, help="staleness only: trainer.correction "
+                   "kinds, e.g. none,tis,icepop,m2po (the default)")
 
     p = sub.add_parser("report", help="summary and an HTML report of runs (or of bench modes results)")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
@@ -236,8 +241,19 @@ def main(argv: list[str] | None = None) -> int:
             if (args.backend, args.model, args.device) != (None,) * 3 and args.name != "engine":
                 raise ConfigError(f"--backend, --model and --device apply to `laminar bench engine` only, "
                                   f"not to `{args.name}`")
+            staleness = {"lags": args.lags, "corrections": args.corrections}
+            if args.name != "staleness" and staleness != {"lags": None, "corrections": None}:
+                raise ConfigError(f"--lags and --corrections apply to `laminar bench staleness` "
+                                  f"only, not to `{args.name}`")
             if args.name == "modes":
                 module.main(quick=args.quick, out=args.out, **{**extra, "task": args.task or "reverse"})
+            elif args.name == "staleness":
+                if any(extra[k] is not None for k in ("modes", "control", "predicted")):
+                    raise ConfigError("--modes, --no-control and --predicted apply to `laminar "
+                                      "bench modes` only, not to `staleness`")
+                module.main(quick=args.quick, out=args.out, steps=args.steps,
+                            overrides=args.overrides, repeats=args.repeats,
+                            task=args.task or "reverse", **staleness)
             elif any(v is not None and v != [] for v in extra.values()):
                 raise ConfigError("--modes, --steps, --repeats, --no-control, --predicted, --task and --set apply to "
                                   f"`laminar bench modes` only, not to `{args.name}`")

@@ -53,7 +53,7 @@ def fake_run(throughput: float, curve: list[list[float]], steps: int = 10) -> di
     return {"throughput": throughput, "heldout": curve, "reward_curve": [(1.0, 0.5)],
             "heldout_start": curve[0][2], "heldout_final": curve[-1][2] if curve[-1][1] == steps else None,
             "train_wall_s": curve[-1][0], "staleness": {0: 1}, "breakdown": {}, "cpu": {},
-            "old_logprobs": "rollout"}
+            "old_logprobs": "rollout", "correction": "none"}
 
 
 def test_summary_of_repeats_gives_the_target_and_who_reached_it_when():
@@ -73,6 +73,22 @@ def test_summary_of_repeats_gives_the_target_and_who_reached_it_when():
     assert s["ratio_laminar_vs"]["sync"] == pytest.approx(3.0)
     assert s["ratio_laminar_vs_range"]["sync"] == pytest.approx([3.0, 3.0])
     assert s["heldout_by_mode"]["laminar"] == lam[1]["heldout"]  # the median run's curve
+
+
+def test_no_held_out_gain_means_no_target_not_zero_seconds():
+    """A user's dataset task: start 0.70, sync's final 0.66. The target used to be 0.664,
+    below the start, and every mode "reached" it in 0 s."""
+    from laminar.bench.learning import NO_GAIN, heldout_target
+
+    assert heldout_target(0.70, [0.66]) is None and heldout_target(0.5, [0.5]) is None
+    assert heldout_target(0.5, [0.6]) == pytest.approx(0.59)
+    sync = [fake_run(100, [[0, 0, 0.70], [50, 5, 0.68], [100, 10, 0.66]])]
+    lam = [fake_run(300, [[0, 0, 0.70], [10, 5, 0.71], [20, 10, 0.69]])]
+    s = summarize({"laminar": lam, "sync": sync})
+    assert s["heldout_target"] is None and s["heldout_target_note"] == NO_GAIN
+    assert s["time_to_heldout_target_s_by_mode"] == {"laminar": None, "sync": None}
+    assert s["sync_heldout_gain"] == pytest.approx(-0.04)
+    assert s["heldout_speedup_laminar_vs"] == {}
 
 
 def test_sync_sets_the_target_in_its_steps_and_the_others_get_room_to_reach_it():

@@ -58,12 +58,13 @@ def test_bench_modes_options_fail_early_with_a_clear_message(capsys):
 def test_partial_rollout_trains_with_decoupled_ppo_unless_told_otherwise(tmp_path):
     from laminar.bench.modes import bench_config
 
-    algo = {m: bench_config(m, 1, tmp_path).trainer.old_logprobs
+    algo = {m: bench_config(m, 1, tmp_path).trainer.correction.kind
             for m in ("laminar", "sync", "one_step", "stream", "partial")}
-    assert algo == {"laminar": "rollout", "sync": "rollout", "one_step": "rollout",
-                    "stream": "rollout", "partial": "decoupled"}
-    same = bench_config("partial", 1, tmp_path, ["trainer.old_logprobs=rollout"])
-    assert same.trainer.old_logprobs == "rollout"  # --set wins: the schedules alone
+    assert algo == {"laminar": "none", "sync": "none", "one_step": "none",
+                    "stream": "none", "partial": "decoupled"}
+    same = bench_config("partial", 1, tmp_path, ["trainer.correction=none"])
+    assert same.trainer.correction.kind == "none"  # --set wins: the schedules alone
+    assert same.trainer.old_logprobs == "rollout"
 
 
 def test_the_simulators_prediction_is_compared_as_laminar_over_mode_ratios():

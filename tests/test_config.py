@@ -88,6 +88,63 @@ def test_retired_keys_name_their_replacement():
         load_config(None, ["rollout.engine.backend=hf"])
 
 
+def test_decoupled_moved_into_the_corrections_and_says_so():
+    with pytest.raises(ConfigError, match="'trainer.old_logprobs': trainer.old_logprobs=decoupled "
+                       "is now trainer.correction=decoupled"):
+        load_config(None, ["trainer.old_logprobs=decoupled"])
+    with pytest.raises(ConfigError, match="'trainer.behaviour_weight_cap' = 3: .*"
+                       "trainer.correction=decoupled trainer.correction.cap=VALUE"):
+        load_config(None, ["trainer.behaviour_weight_cap=3"])
+    with pytest.raises(ConfigError, match="trainer.old_logprobs=rollout contradicts it"):
+        load_config(None, ["trainer.correction=tis", "trainer.old_logprobs=rollout"])
+
+
+def test_a_correction_by_name_takes_its_defaults_and_recomputes():
+    cfg = load_config(None, ["trainer.correction=icepop"]).trainer
+    assert (cfg.correction.kind, cfg.correction.low, cfg.correction.high) == ("icepop", 0.5, 5.0)
+    assert cfg.old_logprobs == "recompute"
+    cfg = load_config(None, ["trainer.correction.kind=tis", "trainer.correction.cap=3",
+                             "trainer.correction.level=sequence"]).trainer
+    assert (cfg.correction.cap, cfg.correction.level) == (3.0, "sequence")
+    with pytest.raises(ConfigError, match="name the kind as a key: trainer.correction.kind=tis "
+                       "trainer.correction.cap=3"):
+        load_config(None, ["trainer.correction=tis", "trainer.correction.cap=3"])
+    assert load_config(None).trainer.correction.kind == "none"
+    assert load_config(None).trainer.old_logprobs == "rollout"
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["trainer.correction.kind=tis", "trainer.correction.cap=1"], "trainer.correction.cap=1.0 must be > 1"),
+    (["trainer.correction.kind=decoupled", "trainer.correction.cap=0.5"], "trainer.correction.cap=0.5"),
+    (["trainer.correction.kind=icepop", "trainer.correction.low=5"], "trainer.correction.low=5.0 and "
+     "trainer.correction.high=5.0 (kind=icepop) are not a band"),
+    (["trainer.correction.kind=mis", "trainer.correction.low=3", "trainer.correction.high=2"],
+     "trainer.correction.low=3.0"),
+    (["trainer.correction.kind=geo_mask", "trainer.correction.high=0.9"], "trainer.correction.high=0.9"),
+    (["trainer.correction.kind=m2po", "trainer.correction.tau=0"], "trainer.correction.tau=0.0 must be > 0"),
+    (["trainer.correction.kind=icepop", "trainer.correction.cap=2"], "trainer.correction.cap=2 is not a "
+     "parameter of trainer.correction.kind=icepop"),
+])
+def test_a_correction_parameter_outside_its_meaning_is_one_error_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    msg = str(e.value)
+    assert msg.count("\n") == 1 and key in msg, msg
+
+
+def test_an_older_runs_decoupled_ppo_resumes_as_the_decoupled_correction(tmp_path):
+    saved = Config().model_dump(mode="json")
+    saved["trainer"].pop("correction")
+    saved["trainer"].update(old_logprobs="decoupled", behaviour_weight_cap=4.0)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    cfg = load_config(tmp_path / "config.yaml", saved_run=True).trainer
+    assert (cfg.correction.kind, cfg.correction.cap, cfg.old_logprobs) == ("decoupled", 4.0, "recompute")
+    saved["trainer"]["old_logprobs"] = "rollout"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    cfg = load_config(tmp_path / "config.yaml", saved_run=True).trainer
+    assert cfg.correction.kind == "none" and cfg.old_logprobs == "rollout"
+
+
 @pytest.mark.parametrize("old, value, new", [
     ("trainer.resume", "runs/a/checkpoints/step_000010", "trainer.from_checkpoint"),
     ("rollout.env_latency.enabled", "true", "bench.env_latency"),

@@ -30,7 +30,7 @@ def test_every_mode_has_a_schedule_and_a_simulated_schedule():
 
 
 def test_the_bench_workloads_are_built_in_tasks():
-    from laminar.bench.modes import REFERENCE_OLD_LOGPROBS, WORKLOADS
+    from laminar.bench.modes import REFERENCE_CORRECTION, WORKLOADS
 
     assert set(WORKLOADS) <= set(TASKS)
-    assert set(REFERENCE_OLD_LOGPROBS) == set(MODES)
+    assert set(REFERENCE_CORRECTION) == set(MODES)

@@ -159,19 +159,19 @@ def _stale_batch():
             for i in range(4)]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "decoupled"])
-def test_recomputed_old_logprobs_are_the_weights_at_the_start_of_the_global_batch(mode):
+@pytest.mark.parametrize("correction", ["none", "decoupled"])
+def test_recomputed_old_logprobs_are_the_weights_at_the_start_of_the_global_batch(correction):
     """The first mini-batch is exactly on-policy against the recomputed log-probs (ratio 1),
     whatever the rollout recorded; the second sees the weights the first one moved."""
     torch.manual_seed(0)
-    trainer = Trainer(build_preset("tiny"), TrainerConfig(lr=1e-2, mini_batches=2,
-                                                          old_logprobs=mode), pad_token_id=0)
+    trainer = Trainer(build_preset("tiny"), TrainerConfig(
+        lr=1e-2, mini_batches=2, old_logprobs="recompute", correction=correction), pad_token_id=0)
     trainer.train_step(_stale_batch())
     first, second = trainer.last_minibatches
     assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert second["ratio_mean"] != pytest.approx(1.0, abs=1e-6)
-    if mode == "decoupled":  # weight = pi_prox / pi_behaviour, far from 1 for this data
-        assert first["behaviour_weight"] != pytest.approx(1.0, abs=1e-3)
+    if correction == "decoupled":  # weight = pi_prox / pi_behaviour, far from 1 for this data
+        assert first["correction_weight_mean"] != pytest.approx(1.0, abs=1e-3)
 
 
 def test_rollout_old_logprobs_use_what_the_engine_recorded():

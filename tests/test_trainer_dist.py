@@ -49,7 +49,7 @@ def batch(seed: int, groups: int = 6, size: int = 4) -> list[Trajectory]:
 # FSDP runs with the frozen copies too (a KL reference and the proximal weights of decoupled
 # PPO, sharded like the model), grad_op (gathered once per update, gradients accumulated
 # unsharded) with the KL reference; DDP with the plain loss
-LOSSES = {"full": {"kl_coef": 0.05, "old_logprobs": "decoupled"}, "grad_op": {"kl_coef": 0.05},
+LOSSES = {"full": {"kl_coef": 0.05, "correction": "decoupled"}, "grad_op": {"kl_coef": 0.05},
           "none": {}}
 
 
@@ -164,7 +164,7 @@ def test_two_ranks_make_the_single_rank_update(sharding, two_ranks):
     run = two_ranks(sharding)
     got, full = run["stats"][0], run["full"][0]
     for key in ("loss", "grad_norm", "clip_frac", "ratio_mean", "kl", *(
-            ["behaviour_weight"] if cfg.old_logprobs == "decoupled" else [])):
+            ["correction_weight_mean"] if cfg.correction.kind == "decoupled" else [])):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
     # the engine-trainer mismatch: every rank's tokens gathered (p99 needs them all, not a sum)
     for key in ("logprob_abs_diff_mean", "logprob_abs_diff_p99"):

@@ -3,6 +3,7 @@
 
     curve = heldout_curve(read_rows(run_dir))        # [[wall_s, version, exact_match], ...]
     target = heldout_target(start, sync_finals)      # warm start + 90% of sync's final gain
+                                                     # (None: no held-out gain, no target)
     time_to_target(curve, target)                    # first wall_s at or above it, or None
 
 A point's wall time is when its version was *published* (the trainer's update), counted from
@@ -19,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 GAIN_FRACTION = 0.9  # the target: the warm-start score plus this share of sync's final gain
+NO_GAIN = "no held-out gain: no target"  # what the benchmarks print when heldout_target is None
 
 
 def heldout_curve(rows: Iterable[dict[str, Any]], metric: str = "greedy_exact_match") -> list[list[float]]:
@@ -38,9 +40,13 @@ def heldout_curve(rows: Iterable[dict[str, Any]], metric: str = "greedy_exact_ma
     return [points[v] for v in sorted(points)]
 
 
-def heldout_target(start: float, sync_finals: Sequence[float], fraction: float = GAIN_FRACTION) -> float:
-    """The warm-start score plus `fraction` of sync's final gain (the median over repeats)."""
-    return start + fraction * (statistics.median(sync_finals) - start)
+def heldout_target(start: float, sync_finals: Sequence[float],
+                   fraction: float = GAIN_FRACTION) -> float | None:
+    """The warm-start score plus `fraction` of sync's final gain (the median over repeats);
+    None when sync ended no higher than it started: with no held-out gain there is no target
+    (one below the start would be "reached" at 0 s by every run)."""
+    gain = statistics.median(sync_finals) - start
+    return start + fraction * gain if gain > 0 else None
 
 
 def time_to_target(curve: Sequence[Sequence[float]], target: float) -> float | None:

@@ -110,20 +110,20 @@ RACE = 1.25
 # The control (env latency off) runs the pair the question is about (laminar against sync) and
 # the strongest baseline (partial); one_step and stream only in the main runs.
 CONTROL_MODES = ("laminar", "sync", "partial")
-# The policy objective of each schedule (trainer.old_logprobs), as in the paper's Table 3:
+# The policy objective of each schedule (trainer.correction), as in the paper's Table 3:
 # GRPO against the engine's log-probs, except partial rollout, whose trajectories mix weight
 # versions: AReaL trains them with decoupled PPO, which recomputes proximal log-probs (one
-# more forward pass per token). `--set trainer.old_logprobs=rollout` gives partial the same
+# more forward pass per token). `--set trainer.correction=none` gives partial the same
 # loss as the others: the schedules alone.
-REFERENCE_OLD_LOGPROBS = {"laminar": "rollout", "sync": "rollout", "one_step": "rollout",
-                          "stream": "rollout", "partial": "decoupled"}
+REFERENCE_CORRECTION = {"laminar": "none", "sync": "none", "one_step": "none", "stream": "none",
+                        "partial": "decoupled"}
 WARMUP_STEPS = 3  # the first updates include actor start-up and the first batch's fill
 TRL_STEPS = 20  # TRL is timed, not raced to the target: tokens/s after warm-up
 
 
 def bench_config(mode: str, steps: int, run_dir: Path, overrides: list[str] = (),
                  task: str = "reverse") -> Config:
-    algorithm = [f"trainer.old_logprobs={REFERENCE_OLD_LOGPROBS[mode]}"]
+    algorithm = [f"trainer.correction.kind={REFERENCE_CORRECTION[mode]}"]
     return load_config(None, WORKLOADS[task] + algorithm + list(overrides) + [
         f"mode={mode}", f"trainer.total_steps={steps}", f"run_dir={run_dir}", f"name=bench-{mode}"])
 
@@ -180,7 +180,7 @@ def run_mode(mode: str, steps: int, root: Path, overrides: list[str] = (),
             "heldout_final": curve[-1][2] if curve and curve[-1][1] == steps else None,
             "steps": steps, "train_wall_s": rows[-1]["time"], "staleness": dict(sorted(hist.items())),
             "wall_s": round(time.perf_counter() - t0, 1), "breakdown": breakdown(rows),
-            "old_logprobs": cfg.trainer.old_logprobs,
+            "old_logprobs": cfg.trainer.old_logprobs, "correction": cfg.trainer.correction.kind,
             "env_latency_s": [x for r in rows for x in r.get("env_latency_s") or []],
             "turns": [x for r in rows for x in r.get("turns") or []],
             "cpu": {"wall_s": round(cpu.wall_s, 1), "seconds": cpu.seconds,
@@ -247,8 +247,11 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "heldout_final_by_mode": {m: learning.summary([r["heldout_final"] for r in rs
                                                        if r["heldout_final"] is not None])
                                   for m, rs in runs.items()},
-        "sync_heldout_gain": (float(np.median(sync_finals)) - start) if target is not None else None,
+        "sync_heldout_gain": (float(np.median(sync_finals)) - start)
+        if start is not None and sync_finals else None,
         "heldout_target": target,
+        "heldout_target_note": learning.NO_GAIN if start is not None and sync_finals
+        and target is None else None,
         "time_to_heldout_target_s_by_mode": ttt_median,
         "time_to_heldout_target_s_runs": ttt,
         "heldout_speedup_laminar_vs": {m: v / lam for m, v in ttt_median.items()
@@ -261,6 +264,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "breakdown_by_mode": {m: rs[0]["breakdown"] for m, rs in runs.items()},
         "cpu_by_mode": {m: rs[0]["cpu"] for m, rs in runs.items()},
         "old_logprobs_by_mode": {m: rs[0]["old_logprobs"] for m, rs in runs.items()},
+        "correction_by_mode": {m: rs[0]["correction"] for m, rs in runs.items()},
     }
 
 

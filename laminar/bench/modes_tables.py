@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from laminar.bench import learning
+
 
 def fmt(x: float | None, spec: str = ".3f", none: str = "-") -> str:
     return none if x is None else format(x, spec)
@@ -22,11 +24,15 @@ def print_tables(report: dict[str, Any], other_steps: int, breakdown_keys: tuple
         if not s:
             continue
         target = s["heldout_target"]
+        if s.get("heldout_target_note"):
+            console.print(f"{title}: {s['heldout_target_note']} (sync's held-out "
+                          f"{fmt(s['heldout_start'])} -> {fmt(s['heldout_start'] + s['sync_heldout_gain'])})")
         table = Table(title=f"laminar bench modes, {title}: sync {report['steps']} steps, the others "
                             f"{other_steps}; {report['repeats']} repeats "
                             "(medians; min-max)")
         for col in ("mode", "tok/s", "laminar/mode", "held-out start -> final",
-                    f"time to held-out {fmt(target)}", "sync time / mode time", "staleness"):
+                    f"time to held-out {fmt(target)}" if target is not None else learning.NO_GAIN,
+                    "sync time / mode time", "staleness"):
             table.add_column(col)
         for m in s["throughput_by_mode"]:
             rng = s["ratio_laminar_vs_range"].get(m)

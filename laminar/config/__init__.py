@@ -22,11 +22,13 @@ from laminar.config.schema import Config, MetricsConfig, ModelConfig, SandboxCon
 from laminar.config.tasks import (CalcTaskConfig, DatasetConfig, HumanEvalTaskConfig,
                                   ReasoningGymDatasetConfig, ReasoningGymTaskConfig,
                                   ReverseTaskConfig, TaskConfig)
-from laminar.config.trainer import LoraConfig, SFTConfig, TrainerConfig
+from laminar.config.trainer import (CORRECTION_PARAMS, CorrectionConfig, LoraConfig, SFTConfig,
+                                     TrainerConfig)
 
 __all__ = [
-    "DEVICES", "GLOBAL_BATCH_MODES", "MODES", "PRESET_POSITIONS", "RENAMED", "RETIRED",
+    "CORRECTION_PARAMS", "DEVICES", "GLOBAL_BATCH_MODES", "MODES", "PRESET_POSITIONS", "RENAMED", "RETIRED",
     "TARGET_KEYS", "BenchConfig", "CalcTaskConfig", "ClusterConfig", "Config", "ConfigError",
+    "CorrectionConfig",
     "DatasetConfig", "Device", "EngineConfig", "EnvLatencyConfig", "HumanEvalTaskConfig",
     "LoraConfig", "ManagerConfig", "MetricsConfig", "Mode", "ModelConfig",
     "ReasoningGymDatasetConfig", "ReasoningGymTaskConfig", "RelayConfig", "ReverseTaskConfig",

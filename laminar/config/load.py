@@ -25,6 +25,8 @@ RETIRED = {
     "discarding samples (which biases training toward short responses); use "
     "rollout.max_outstanding_batches (how many global batches generation may run ahead of the "
     "trainer, AReaL's eta + 1) and, in laminar mode, rollout.version_lag",
+    "trainer.behaviour_weight_cap": "it moved with decoupled PPO into the off-policy "
+    "corrections: write trainer.correction=decoupled trainer.correction.cap=VALUE",
     "relay.rate_limit_mbps": "it was removed: slow links are emulated by the relay benchmark "
     "only (laminar/bench/links.py); delete the key",
 }
@@ -101,7 +103,15 @@ def _anchor_files(data: dict[str, Any], base: Path) -> None:
 
 
 def move_renamed(data: dict[str, Any]) -> None:
-    """Move every RENAMED key found in `data` to its new place (one already set there wins)."""
+    """Move every RENAMED key found in `data` to its new place (one already set there wins),
+    and an older run's decoupled PPO (`trainer.old_logprobs=decoupled`, its cap in
+    `trainer.behaviour_weight_cap`) to `trainer.correction`."""
+    trainer = _section(data, ["trainer"])
+    if trainer is not None and "behaviour_weight_cap" in trainer:
+        cap = trainer.pop("behaviour_weight_cap")
+        if trainer.get("old_logprobs") == "decoupled":
+            del trainer["old_logprobs"]
+            trainer["correction"] = {"kind": "decoupled", "cap": cap}
     for old, (new, _) in RENAMED.items():
         *parents, leaf = old.split(".")
         node = _section(data, parents)
@@ -138,6 +148,10 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         child = node.get(part)
         if child is None:
             child = node[part] = {}
+        if isinstance(child, str) and part == "correction":  # trainer.correction=NAME
+            raise ConfigError(f"override '{item}': {part} was given by name ({child!r}); to set "
+                              f"its parameters too, name the kind as a key: "
+                              f"trainer.correction.kind={child} {item}")
         if not isinstance(child, dict):
             raise ConfigError(f"override '{item}': '{part}' is a value, not a section")
         node = child

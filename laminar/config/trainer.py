@@ -23,6 +23,82 @@ class LoraConfig(Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
 
 
+Correction = Literal["none", "tis", "mis", "icepop", "geo_mask", "decoupled", "m2po"]
+
+# Each correction's parameters and their defaults (sources in laminar/trainer/corrections.py).
+CORRECTION_PARAMS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "tis": {"level": "token", "cap": 2.0},
+    "mis": {"level": "token", "low": 0.5, "high": 2.0},
+    "icepop": {"low": 0.5, "high": 5.0},
+    "geo_mask": {"low": 0.99, "high": 1.01},
+    "decoupled": {"cap": 5.0},
+    "m2po": {"tau": 0.04},
+}
+
+
+class CorrectionConfig(Section):
+    """One off-policy correction and its parameters; those it does not take stay unset (None),
+    those it takes default to CORRECTION_PARAMS[kind]."""
+
+    kind: Correction = Field("none", description="`none`: PPO-clip against the behaviour "
+                             "log-probs, every token counts 1. `tis`: truncated importance "
+                             "weights min(rho, cap). `mis`: tokens (or sequences) whose ratio "
+                             "leaves [low, high] dropped, the others count 1. `icepop`: rho "
+                             "inside [low, high], 0 outside. `geo_mask`: a sequence whose "
+                             "geometric-mean ratio leaves [low, high] dropped. `decoupled`: "
+                             "decoupled PPO (AReaL), rho, 0 above cap. `m2po`: the tokens of "
+                             "largest (log rho)^2 dropped until the rest's mean is <= tau. "
+                             "rho = pi_prox / pi_behaviour per token.")
+    level: Literal["token", "sequence"] | None = Field(
+        None, description="`tis`, `mis`: the ratio of each token, or of the whole sequence (the "
+        "product of its tokens' ratios) applied to each of its tokens. Default: token.")
+    cap: float | None = Field(None, description="`tis`: the truncation (> 1, default 2); "
+                              "`decoupled`: the weight above which a token is dropped (> 1, "
+                              "default 5, AReaL's behav_imp_weight_cap).")
+    low: float | None = Field(None, description="`mis`, `icepop`, `geo_mask`: the band's lower "
+                              "end (default 0.5, 0.5, 0.99).")
+    high: float | None = Field(None, description="`mis`, `icepop`, `geo_mask`: the band's upper "
+                               "end (default 2, 5, 1.01).")
+    tau: float | None = Field(None, description="`m2po`: the bound on the kept tokens' second "
+                              "moment mean((log rho)^2) (default 0.04, the M2PO paper's).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_defaults(cls, data: Any) -> Any:
+        """`trainer.correction=tis` names the kind alone; a kind's parameters default to
+        CORRECTION_PARAMS, and one it does not take is refused."""
+        if isinstance(data, str):
+            data = {"kind": data}
+        if not isinstance(data, dict):
+            return data
+        kind = data.get("kind", "none")
+        if kind not in CORRECTION_PARAMS:
+            return data  # the Literal names the allowed kinds
+        takes = CORRECTION_PARAMS[kind]
+        for key in ("level", "cap", "low", "high", "tau"):
+            if data.get(key) is not None and key not in takes:
+                took = ", ".join(takes) or "no parameters"
+                raise ValueError(f"trainer.correction.{key}={data[key]!r} is not a parameter "
+                                 f"of trainer.correction.kind={kind} (it takes {took})")
+        return {**takes, **{k: v for k, v in data.items() if v is not None}}
+
+    @model_validator(mode="after")
+    def _meaningful(self) -> "CorrectionConfig":
+        if self.cap is not None and self.cap <= 1.0:
+            raise ValueError(f"trainer.correction.cap={self.cap} must be > 1 (kind={self.kind}): "
+                             "a cap at or below 1 down-weights every token the new policy "
+                             "favours; try 2 (tis) or 5 (decoupled)")
+        if self.low is not None and self.high is not None and not 0.0 <= self.low < self.high:
+            raise ValueError(f"trainer.correction.low={self.low} and trainer.correction.high="
+                             f"{self.high} (kind={self.kind}) are not a band: need 0 <= low < "
+                             f"high, e.g. low=0.5 high=5")
+        if self.tau is not None and self.tau <= 0.0:
+            raise ValueError(f"trainer.correction.tau={self.tau} must be > 0 (kind=m2po; the "
+                             "paper's is 0.04)")
+        return self
+
+
 class TrainerConfig(Section):
     lr: float = Field(2e-4, gt=0.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
@@ -31,16 +107,21 @@ class TrainerConfig(Section):
     eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Lower PPO clip (ratio >= 1-eps_low).")
     eps_high: float = Field(0.28, ge=0.0, description="Upper PPO clip, Clip-Higher (DAPO).")
     kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the starting model; 0 = off.")
-    old_logprobs: Literal["rollout", "recompute", "decoupled"] = Field(
+    old_logprobs: Literal["rollout", "recompute"] = Field(
         "rollout", description="What the PPO ratio is taken against. `rollout`: the log-probs the "
         "engine recorded while generating (the behaviour policy; laminar's choice, one trajectory "
         "= one version). `recompute`: the trainer's own log-probs under the weights at the start "
-        "of the global batch, one more forward pass per token (verl's compute_log_prob). "
-        "`decoupled`: decoupled PPO (AReaL): clip against those recomputed proximal log-probs and "
-        "weight each token by exp(proximal - behaviour), for mixed-version trajectories.")
-    behaviour_weight_cap: float = Field(
-        5.0, gt=1.0, description="`decoupled` only: tokens whose behaviour importance weight "
-        "exceeds this are left out of the loss (AReaL's behav_imp_weight_cap).")
+        "of the global batch (the proximal policy), one more forward pass per token (verl's "
+        "compute_log_prob); with `trainer.correction.kind=none` it measures the engine-trainer "
+        "mismatch at the trainer's own version. Every correction other than `none` implies it. "
+        "(`decoupled` moved to trainer.correction=decoupled.)")
+    correction: CorrectionConfig = Field(
+        default_factory=lambda: CorrectionConfig(), description="The off-policy correction: how "
+        "much each token of the PPO-clip objective counts, from its ratio pi_prox / pi_behaviour "
+        "(laminar/trainer/corrections.py, docs/staleness.md). `trainer.correction=tis` picks one "
+        "with its default parameters; `trainer.correction.cap=3` sets one. The default, `none`, "
+        "is today's PPO-clip against the behaviour log-probs; it stays the default until the "
+        "staleness sweep (`laminar bench staleness`) has measured the others.")
     prompts_per_step: int = Field(16, ge=1, description="Prompt groups in one global batch.")
     mini_batches: int = Field(1, ge=1, description="Optimizer updates per global batch.")
     micro_batch_tokens: int = Field(2048, ge=1, description="Padded tokens per forward pass; "
@@ -94,6 +175,36 @@ class TrainerConfig(Section):
         "the trainer's process sees one, else the CPU), `cpu`, or `cuda` (an error at start where "
         "there is none). Ranks on GPUs form their group over nccl, on the CPU over gloo; a push "
         "copies from the device straight into the master relay's host memory (docs/devices.md).")
+
+    @field_validator("old_logprobs", mode="before")
+    @classmethod
+    def _decoupled_moved(cls, value: Any) -> Any:
+        if value == "decoupled":
+            raise ValueError("trainer.old_logprobs=decoupled is now trainer.correction=decoupled "
+                             "(one of the off-policy corrections; its cap, formerly "
+                             "trainer.behaviour_weight_cap, is trainer.correction.cap); write "
+                             "trainer.correction=decoupled and drop trainer.old_logprobs")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _correction_recomputes(cls, data: Any) -> Any:
+        """A correction weighs pi_prox / pi_behaviour, so the ratio is taken against the
+        recomputed proximal log-probs: `old_logprobs` becomes `recompute` (set to `rollout` by
+        hand, it contradicts the correction)."""
+        if not isinstance(data, dict):
+            return data
+        corr = data.get("correction")
+        kind = corr if isinstance(corr, str) else (corr.get("kind", "none") if isinstance(
+            corr, dict) else getattr(corr, "kind", "none"))
+        if kind in (None, "none"):
+            return data
+        if data.get("old_logprobs") == "rollout":
+            raise ValueError(f"trainer.correction.kind={kind} weighs each token by pi_prox / "
+                             "pi_behaviour and clips against the recomputed proximal log-probs, "
+                             "so trainer.old_logprobs=rollout contradicts it; drop "
+                             "trainer.old_logprobs (or set trainer.correction=none)")
+        return {**data, "old_logprobs": "recompute"}
 
     @field_validator("device", mode="before")
     @classmethod

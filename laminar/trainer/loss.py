@@ -3,13 +3,15 @@
 Simplifications, stated: GRPO has no value model (advantages come from group normalisation and
 are shared by every token of a response); the importance ratio is taken against the behaviour
 log-probs the engine recorded at generation, with no extra correction for staleness, unless
-the trainer passes recomputed proximal log-probs and behaviour weights (decoupled PPO,
-`behaviour_weights`); the KL term (off by default) is the k3 estimator against a frozen
+the trainer passes recomputed proximal log-probs and the off-policy correction's per-token
+weights (`behaviour_weights`, laminar/trainer/corrections.py); the KL term (off by default) is the k3 estimator against a frozen
 reference model.
 
 The engine-trainer mismatch (`fresh_abs_diffs`, `abs_diff_summary`): on tokens sampled by the
 very weights the trainer computes with (staleness 0), |engine log-prob - trainer log-prob| is
-the two implementations' numerics alone; the step row reports its mean and p99.
+the two implementations' numerics alone; the step row reports its mean and p99. Over every
+trained token (`mismatch_summary`), staleness adds to it: |log-ratio|, the k3 KL estimate and
+the importance ratio's percentiles; `token_entropy` is the trained tokens' entropy.
 
 All functions are pure; shapes are [batch, time] with a 0/1 mask over response tokens.
 """
@@ -31,8 +33,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     gradients over micro-batches, so the result is the token-level mean of the mini-batch.
 
     logprobs, old_logprobs, mask: [B, T]; advantages: [B] (broadcast over tokens).
-    behaviour_weights [B, T] (decoupled PPO): old_logprobs are then the proximal policy's and
-    each token's surrogate is multiplied by its weight pi_prox / pi_behaviour (no gradient).
+    behaviour_weights [B, T] (an off-policy correction, corrections.py): old_logprobs are then
+    the proximal policy's and each token's surrogate is multiplied by its weight (no gradient).
     """
     mask = mask.to(logprobs.dtype)
     adv = advantages[:, None].to(logprobs.dtype)
@@ -76,16 +78,62 @@ def fresh_abs_diffs(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tenso
     return (engine_logprobs.detach().float() - trainer_logprobs.detach().float()).abs()[keep].cpu()
 
 
+def _percentile(ordered: torch.Tensor, q: float) -> float:
+    """The q-th quantile (0..1) of sorted values, linear between order statistics (numpy's)."""
+    pos = q * (ordered.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, ordered.numel() - 1)
+    return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
+
+
+def _cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([d.reshape(-1).double() for d in parts]) if parts else torch.empty(0)
+
+
 def abs_diff_summary(diffs: Sequence[torch.Tensor]) -> dict[str, float | None]:
     """`logprob_abs_diff_mean` and `logprob_abs_diff_p99` (linear interpolation between the
     order statistics, as numpy.percentile) of all the values in `diffs`; both None when there
     are none."""
-    values = torch.cat([d.reshape(-1).double() for d in diffs]) if diffs else torch.empty(0)
+    values = _cat(diffs)
     if values.numel() == 0:
         return {"logprob_abs_diff_mean": None, "logprob_abs_diff_p99": None}
-    ordered = values.sort().values
-    pos = 0.99 * (ordered.numel() - 1)
-    lo = int(pos)
-    hi = min(lo + 1, ordered.numel() - 1)
-    p99 = ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-    return {"logprob_abs_diff_mean": float(values.mean()), "logprob_abs_diff_p99": float(p99)}
+    return {"logprob_abs_diff_mean": float(values.mean()),
+            "logprob_abs_diff_p99": _percentile(values.sort().values, 0.99)}
+
+
+MISMATCH_KEYS = ("logprob_abs_diff_all_mean", "logprob_abs_diff_all_p99", "mismatch_kl_k3",
+                 "is_ratio_p1", "is_ratio_p50", "is_ratio_p99")
+
+
+def mismatch_summary(log_ratios: Sequence[torch.Tensor]) -> dict[str, float | None]:
+    """Over every trained token of a global batch, whatever its staleness, from
+    log_rho = log pi_trainer - log pi_behaviour (pi_trainer: the weights the global batch began
+    with): |log_rho| mean and p99 (mismatch and staleness together), the k3 estimate of
+    KL(pi_behaviour || pi_trainer) = mean(rho - 1 - log rho) (Schulman's k3, sampled from the
+    behaviour policy), and the 1st / 50th / 99th percentiles of rho. All None without tokens."""
+    values = _cat(log_ratios)
+    if values.numel() == 0:
+        return dict.fromkeys(MISMATCH_KEYS)
+    ordered = values.sort().values  # exp is monotone: rho's percentiles are exp of these
+    return {"logprob_abs_diff_all_mean": float(values.abs().mean()),
+            "logprob_abs_diff_all_p99": _percentile(values.abs().sort().values, 0.99),
+            "mismatch_kl_k3": float((torch.exp(values) - 1.0 - values).mean()),
+            "is_ratio_p1": float(torch.exp(torch.tensor(_percentile(ordered, 0.01)))),
+            "is_ratio_p50": float(torch.exp(torch.tensor(_percentile(ordered, 0.50)))),
+            "is_ratio_p99": float(torch.exp(torch.tensor(_percentile(ordered, 0.99))))}
+
+
+def token_entropy(logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0,
+                  rows: int = 8) -> float:
+    """Mean entropy (nats) of softmax(logits / temperature) over the masked positions, `rows`
+    sequences at a time so the extra [rows, T, V] stays small. logits [B, T, V], mask [B, T]."""
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, logits.shape[0], rows):
+            chunk = logits[i:i + rows].float()
+            if temperature not in (0.0, 1.0):
+                chunk = chunk / temperature
+            logp = torch.log_softmax(chunk, dim=-1)
+            ent = -(logp.exp() * logp).sum(-1)
+            total += float((ent * mask[i:i + rows]).sum())
+    return total / max(float(mask.sum()), 1.0)

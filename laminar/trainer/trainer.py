@@ -5,8 +5,9 @@ Parts:
   log-probs aligned to the positions that predict each response token;
 - `Trainer.train_step` computes group advantages, splits the batch into `mini_batches` (one
   AdamW update each; gradients accumulate over length-sorted micro-batches within one), and
-  bumps `version` once per global batch; with `old_logprobs` = `recompute` or `decoupled` the
-  ratio is taken against a copy of the weights as they were when the global batch began.
+  bumps `version` once per global batch; with `old_logprobs=recompute` (any correction implies
+  it) the ratio is taken against a copy of the weights as they were when the global batch
+  began, and `trainer.correction` (corrections.py) weighs tokens by pi_prox / pi_behaviour.
   Trajectories whose reward failed (`failed` set) are left out before the group advantages;
   an update whose loss or gradient norm is not finite is skipped (`nonfinite_skipped`), and
   `trainer.max_nonfinite_steps` skipped in a row raise `NonFiniteTraining`;
@@ -26,9 +27,10 @@ Parts:
 - the engine-trainer mismatch: the trained tokens of a global batch that the weights of the
   trainer's current version sampled (staleness 0) are compared with the log-probs of exactly
   those weights: the first forward of each mini-batch before the global batch's first optimizer
-  step, or the proximal copy's (recompute / decoupled: those weights all through the global
-  batch); the ranks gather every value, and the global batch reports
-  `logprob_abs_diff_mean` / `_p99` (None without such a token; loss.py `abs_diff_summary`).
+  step, or the proximal copy's (recompute: those weights all through the global batch); the
+  ranks gather every value, and the global batch reports `logprob_abs_diff_mean` / `_p99`
+  (None without such a token; loss.py `abs_diff_summary`);
+  over every trained token, stale ones too, the same weights give `mismatch_summary`'s keys.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ from laminar.engine.lora import base_dir, merge
 from laminar.trainer.advantage import group_advantages
 from laminar.trainer.batching import Batch, collate, split_groups
 from laminar.trainer.checkpoint import load, save
-from laminar.trainer.loss import abs_diff_summary, fresh_abs_diffs, policy_loss, token_logprobs
+from laminar.trainer.corrections import correction_weights
+from laminar.trainer.loss import (abs_diff_summary, fresh_abs_diffs, mismatch_summary, policy_loss,
+                                  token_entropy, token_logprobs)
 from laminar.trainer.ranks import Ranks, plan_micro_batches, shard
 from laminar.trainer.shards import push_from_shards
 from laminar.types import Trajectory
@@ -85,6 +89,7 @@ class Trainer:
         # and after a restart numbered past its checkpoint (service.py `_recover`)
         self._prox_are_version = False  # the same of `prox_model`, as of its last refresh
         self._lp_diffs: list[torch.Tensor] = []  # this global batch's engine-trainer |diffs|
+        self._lp_ratios: list[torch.Tensor] = []  # log pi_start - log pi_behaviour, every token
         model = model.to(self.device).train()
         self.peft_model: Any = None  # trainer.lora: peft's wrapper (save_pretrained of the adapter)
         self.lora_base: str | None = None  # trainer.lora: the model directory of the frozen base
@@ -137,9 +142,13 @@ class Trainer:
         return self.peft_model.base_model.model
 
     def sequence_logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        return token_logprobs(self._logits(model, batch), batch.targets, self.temperature)
+
+    def _logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """[B, L-1, V]: the logits of the positions that predict each target."""
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        return token_logprobs(logits[:, :-1], batch.targets, self.temperature)
+        return logits[:, :-1]
 
     def train_step(self, trajs: list[Trajectory]) -> dict[str, float | None]:
         """One global batch: `mini_batches` optimizer updates, then version += 1."""
@@ -171,19 +180,24 @@ class Trainer:
         # the log-probs of the weights published as this version: which tokens to compare
         exact = self._prox_are_version if self.prox_model is not None else self.weights_are_version
         measure = self.version if exact else None
+        at_start = self.prox_model is not None or self._prox_due  # the global batch's weights
         args = [([([trajs[i] for i in g], [adv[i] for i in g]) for g in micro], num_tokens, steps,
-                 refresh, measure) for micro in plan]
+                 refresh, measure, at_start) for micro in plan]
         if self.ranks is None:
             answers = [self.train_shard(*args[0])]
         else:
             answers = self.ranks.call(self, Trainer.train_shard, args)
         sums = answers[0]
         diffs = [answer.pop("lp_abs_diffs") for answer in answers]
+        ratios = [answer.pop("lp_log_ratios") for answer in answers]
         self._prox_due = False
         if sums.pop("finite"):
             self.nonfinite_in_a_row = 0
             sums["nonfinite_skipped"] = 0
+            if "correction_masked" in sums:  # a share of this mini-batch's tokens: as a count
+                sums["correction_dropped_tokens"] = round(sums["correction_masked"] * num_tokens)
             self._lp_diffs += diffs
+            self._lp_ratios += ratios
             self.weights_are_version = False  # stepped: no longer the published weights
         else:
             self._skip_nonfinite(sums["loss"], sums["grad_norm"])
@@ -193,19 +207,22 @@ class Trainer:
 
     def train_shard(self, micro_batches: list[tuple[list[Trajectory], list[float]]],
                     num_tokens: int, steps: int, refresh_prox: bool,
-                    measure: int | None = None) -> dict[str, Any]:
+                    measure: int | None = None, at_start: bool = False) -> dict[str, Any]:
         """This rank's part of one optimizer update (every rank runs it at once): forward and
         backward over its micro-batches (trajectories, advantages), padded to `steps` with empty
         ones, the loss of each divided by the mini-batch's `num_tokens`; then the gradient norm,
         clipping and the step (or no step, on every rank alike, when the summed loss or the
         norm is not finite). Returns the mini-batch's statistics, summed over the ranks, and
         this rank's own `lp_abs_diffs`: |engine - trainer| log-prob of its trained tokens that
-        version `measure` sampled (None: the weights at hand are no published version's)."""
+        version `measure` sampled (None: the weights at hand are no published version's), and
+        `lp_log_ratios`: trainer - engine log-prob of all its trained tokens, when the trainer's
+        side is the weights the global batch began with (`at_start`; else empty)."""
         if refresh_prox:  # a new global batch begins: the proximal weights are these
             self.prox_model.load_state_dict(self.module.state_dict())
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         diffs: list[torch.Tensor] = []
+        ratios: list[torch.Tensor] = []
         for k in range(steps):
             if k < len(micro_batches):
                 trajs, adv = micro_batches[k]
@@ -220,6 +237,9 @@ class Trainer:
             if measure is not None:
                 diffs.append(fresh_abs_diffs(lp, batch.old_logprobs, batch.response_mask,
                                              batch.token_versions, measure))
+            if at_start:
+                ratios.append((lp.detach().float() - batch.old_logprobs.float())
+                              [batch.response_mask > 0].cpu())
             weight = batch.num_response_tokens / num_tokens  # token-weighted average of stats
             if weight == 0:  # an empty micro-batch: same keys on every rank, nothing added
                 sums.update({key: sums.get(key, 0.0) for key in [*stats, "loss"]})
@@ -229,6 +249,7 @@ class Trainer:
         if self.ranks is not None:
             sums = self.ranks.all_reduce_sum(sums)
         sums["lp_abs_diffs"] = torch.cat(diffs) if diffs else torch.empty(0)  # not reduced
+        sums["lp_log_ratios"] = torch.cat(ratios) if ratios else torch.empty(0)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         sums["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         sums["finite"] = math.isfinite(sums["loss"]) and math.isfinite(sums["grad_norm"])
@@ -283,6 +304,7 @@ class Trainer:
         pending, self._pending = self._pending, []
         self.last_minibatches = pending
         diffs, self._lp_diffs = self._lp_diffs, []
+        ratios, self._lp_ratios = self._lp_ratios, []
         self.version += 1
         self.weights_are_version = True  # these weights are what the new version publishes
         self._prox_due = True
@@ -291,14 +313,18 @@ class Trainer:
         for key in keys:
             values = [p[key] for p in pending if key in p]
             metrics[key] = sum(values) / len(values)
-        for key in ("train_s", "nonfinite_skipped"):
-            metrics[key] = sum(p[key] for p in pending)
-        return {**metrics, **abs_diff_summary(diffs)}
+        for key in ("train_s", "nonfinite_skipped", "correction_dropped_tokens"):
+            if any(key in p for p in pending):
+                metrics[key] = sum(p.get(key, 0) for p in pending)
+        return {**metrics, **abs_diff_summary(diffs), **mismatch_summary(ratios)}
 
     def _loss(self, batch: Batch, num_tokens: int) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
         """The loss, its statistics, and the log-probs of the weights this global batch began
         with: the proximal copy's where there is one, else the live model's (no gradient)."""
-        logprobs = self.sequence_logprobs(self.model, batch)
+        logits = self._logits(self.model, batch)
+        logprobs = token_logprobs(logits, batch.targets, self.temperature)
+        entropy = token_entropy(logits.detach(), batch.response_mask, self.temperature)
+        del logits
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
@@ -307,17 +333,14 @@ class Trainer:
         if self.prox_model is not None:
             with torch.no_grad():
                 old = self.sequence_logprobs(self.prox_model, batch)
-            if self.cfg.old_logprobs == "decoupled":
-                weights = torch.exp(old - batch.old_logprobs) * batch.response_mask
-                capped = weights > self.cfg.behaviour_weight_cap
-                mask = batch.response_mask * ~capped
-                n = batch.response_mask.sum().clamp(min=1.0)
-                extra = {"behaviour_weight": float(weights.sum() / n),
-                         "behaviour_capped": float(capped.sum() / n)}
+            weights, extra = correction_weights(self.cfg.correction, old - batch.old_logprobs,
+                                                batch.response_mask)
+            if weights is not None:  # a dropped token leaves the clip statistics too
+                mask = batch.response_mask * (weights > 0)
         loss, stats = policy_loss(logprobs, old, batch.advantages, mask, self.cfg.eps_low,
                                   self.cfg.eps_high, ref, self.cfg.kl_coef, num_tokens, weights)
         start = old if self.prox_model is not None else logprobs.detach()
-        return loss, {**stats, **extra}, start
+        return loss, {**stats, **extra, "entropy": entropy}, start
 
     # ------------------------------------------------------------------------- weights out
 
