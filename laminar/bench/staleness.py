@@ -33,11 +33,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from laminar.bench import learning
 from laminar.bench.modes import QUICK_STEPS, WORKLOADS, bench_config, mode_steps, rotated, run_mode
 from laminar.config import ConfigError, TrainerConfig
 from laminar.config.trainer import CORRECTION_PARAMS
 from laminar.metrics import read_metrics
+from laminar.provenance import provenance
 
 LAGS = (1, 2, 4, 8)
 CORRECTIONS = ("none", "tis", "icepop", "m2po")
@@ -127,10 +130,6 @@ def main(quick: bool = False, out: str | None = None, lags: str | None = None,
          corrections: str | None = None, steps: int | None = None,
          overrides: list[str] | None = None, repeats: int | None = None,
          task: str = "reverse") -> dict[str, Any]:
-    import ray
-
-    from laminar.bench.provenance import provenance
-
     if task not in WORKLOADS:
         raise ConfigError(f"--task {task!r}: bench staleness has a workload for {', '.join(WORKLOADS)}")
     lag_list = parse_list(lags, QUICK_LAGS if quick else LAGS, lambda v: v >= 1, "--lags", int)
