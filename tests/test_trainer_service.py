@@ -100,3 +100,28 @@ def test_a_version_number_is_never_reused_after_a_kill_right_after_its_push(tmp_
             assert stats["logprob_abs_diff_mean"] is None and stats["logprob_abs_diff_p99"] is None
         else:  # the recorded -1.0 are not the model's: a large mismatch
             assert stats["logprob_abs_diff_mean"] > 0.1 and stats["logprob_abs_diff_p99"] > 0.1
+
+
+def test_a_stop_between_mini_batches_finishes_the_global_batch(tmp_path):
+    """A stop that arrives after the first mini-batch of a global batch trained: the global
+    batch still finishes (one version, every group recorded once). It used to end the run with
+    that mini-batch's groups consumed and in the weights but in no step (seen: the audit of a
+    LoRA job counted 2 groups more than steps x prompts_per_step)."""
+    import threading
+
+    cfg, buffer, service = _service(tmp_path, "trainer.prompts_per_step=2", "trainer.mini_batches=2")
+    buffer.put_many(_group("g0"))
+    second = threading.Timer(0.5, lambda: buffer.put_many(_group("g1")))
+    trained = service.trainer.train_minibatch
+
+    def then_stop(trajs):  # the stop arrives while the first mini-batch trains
+        trained(trajs)
+        if not service.stop_event.is_set():
+            service.stop()
+            second.start()
+
+    service.trainer.train_minibatch = then_stop
+    assert service.run(total_steps=5) == 1  # the global batch of g0 and g1, then the stop
+    lines = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    assert sorted({t["group_id"] for t in lines}) == ["g0", "g1"]
+    assert service.trainer.version == 1

@@ -183,8 +183,9 @@ class TrainerService:
 
     # ------------------------------------------------------------------------- training
 
-    def wait_groups(self, num_groups: int) -> list[list[Trajectory]]:
-        """Block until the buffer releases `num_groups` complete groups (the trainer's only wait)."""
+    def wait_groups(self, num_groups: int, interruptible: bool = True) -> list[list[Trajectory]]:
+        """Block until the buffer releases `num_groups` complete groups (the trainer's only wait).
+        `stop()` ends the wait only when `interruptible`."""
         t0, wall = time.perf_counter(), time.time()
         deadline = time.monotonic() + self.cfg.cluster.wait_timeout_s
         while True:
@@ -194,7 +195,7 @@ class TrainerService:
                 self._span("wait", wall)
                 self.data.consumed(len(groups))
                 return groups
-            if self.stop_event.is_set():
+            if interruptible and self.stop_event.is_set():
                 raise InterruptedError("trainer stopped while waiting for data")
             if time.monotonic() > deadline:
                 counts = self.data.counts()
@@ -238,13 +239,16 @@ class TrainerService:
 
     def train_streaming(self) -> dict[str, Any]:
         """Take each mini-batch as soon as its groups are complete, one optimizer update each,
-        and bump the version at the end of the global batch (stream, laminar, partial)."""
+        and bump the version at the end of the global batch (stream, laminar, partial). A stop
+        lands between global batches: once a mini-batch has trained, the global batch finishes,
+        so its groups are recorded as trained (an interrupted one left them consumed, in the
+        weights and in no step: the exactly-once audit saw 2 groups too many)."""
         per_mini = -(-self.cfg.trainer.prompts_per_step // self.cfg.trainer.mini_batches)
         trajs: list[Trajectory] = []
         taken = 0
         while taken < self.cfg.trainer.prompts_per_step:
             n = min(per_mini, self.cfg.trainer.prompts_per_step - taken)
-            trajs += [t for g in self.wait_groups(n) for t in g]
+            trajs += [t for g in self.wait_groups(n, interruptible=taken == 0) for t in g]
             taken += n
             wall = time.time()
             with self._stop_on_divergence():
