@@ -314,6 +314,7 @@ def test_a_relay_killed_mid_broadcast_is_cut_out_and_its_successor_catches_up(tm
     _check_nothing_lost(cfg, report, version)
 
 
+@pytest.mark.slow  # replacing the master is test_relay_ray's too (relay actors, in the default suite)
 def test_a_killed_master_relay_is_replaced_by_its_successor(tmp_path, ray_cluster):
     cfg = load_config(None, TINY + RELAYS + [f"run_dir={tmp_path}"])
     with _runtime(cfg) as rt:  # chain node0 (master) -> node1; rollout0 pulls from node0

@@ -27,6 +27,7 @@ def dry_run(tmp_path_factory):
     return r, json.loads(out.read_text()) if out.exists() else None
 
 
+@pytest.mark.slow  # 15-20 s: builds the scaled-down model and runs the relay stage on the CPU
 def test_dry_run_checks_the_plan_and_writes_one_json(dry_run):
     r, result = dry_run
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
