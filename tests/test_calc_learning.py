@@ -17,6 +17,7 @@ EXAMPLE = Path(__file__).parent.parent / "examples" / "calc.yaml"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 10-15 min on 2 cores: above the suite's 600 s per test
 def test_calc_heldout_exact_match_rises_above_the_warm_start(tmp_path, ray_cluster):
     cfg = load_config(str(EXAMPLE), [f"run_dir={tmp_path}"])
     report = run_training(cfg)
