@@ -100,6 +100,9 @@ def check_devices(cfg: Any) -> dict[str, str]:
             setting = getattr(getattr(cfg, section), name, None)
             if setting is not None:
                 out[key] = resolve_device(setting, key).type
+        if getattr(cfg.cluster, "cpu_affinity", "off") == "split" and hasattr(os, "sched_getaffinity"):
+            cpu_plan(sorted(os.sched_getaffinity(0)), cfg.cluster.trainer_cpus, None,
+                     cfg.rollout.num_workers)  # a trainer_cpus that leaves none: one error now
     return out
 
 
@@ -247,3 +250,50 @@ def load_into_module(module: torch.nn.Module, src: Mapping[str, torch.Tensor],
         raise ValueError(f"weights do not match the model: missing {missing[:5]} ({len(missing)} "
                          f"in all), unexpected {extra[:5]} ({len(extra)} in all)")
     return stage_copy(state, src, staging)
+
+
+# ----------------------------------------------------------------------------- CPU cores
+
+def cpu_plan(cores: list[int], trainer_cpus: int | None, rollout_index: int | None,
+             num_rollouts: int) -> list[int]:
+    """`cluster.cpu_affinity: split`, pure: the cores the trainer (`rollout_index` None) or
+    rollout `rollout_index` runs on, out of `cores` (this machine's, in order). The trainer
+    takes the first `trainer_cpus` (default: half, at least one, leaving one); the rest are
+    dealt to the rollouts in contiguous slices, the first ones taking one more where they do
+    not divide; with more rollouts than cores left, rollout i shares core i mod the rest. A
+    rollout that joins later (index >= num_rollouts) gets the slot of index mod num_rollouts.
+    A `trainer_cpus` that leaves no core for the rollouts is a ConfigError."""
+    n = len(cores)
+    t = trainer_cpus if trainer_cpus is not None else max(1, n // 2)
+    if n < 2 or t >= n:
+        raise ConfigError(
+            f"cluster.trainer_cpus={t}: cluster.cpu_affinity=split needs at least one core for the "
+            f"trainer and one for the rollouts, and this process may use {n} core(s) "
+            f"({cores}); lower cluster.trainer_cpus or set cluster.cpu_affinity=off")
+    if rollout_index is None:
+        return cores[:t]
+    rest = cores[t:]
+    r = max(1, num_rollouts)
+    i = rollout_index % r
+    if r >= len(rest):
+        return [rest[i % len(rest)]]
+    size, extra = divmod(len(rest), r)
+    start = i * size + min(i, extra)
+    return rest[start:start + size + (1 if i < extra else 0)]
+
+
+def rollout_index(rollout_id: str) -> int:
+    """`rollout3` and its re-created incarnations `rollout3.1`, `rollout3.2`: 3."""
+    digits = rollout_id.removeprefix("rollout").split(".")[0]
+    return int(digits) if digits.isdigit() else 0
+
+
+def pin_cpus(cfg: Any, rollout_index: int | None) -> list[int] | None:
+    """Pin this process as `cpu_plan` says when cluster.cpu_affinity is `split` (Linux); returns
+    the cores, or None when off or where the OS cannot pin."""
+    if cfg.cluster.cpu_affinity != "split" or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    mine = cpu_plan(cores, cfg.cluster.trainer_cpus, rollout_index, cfg.rollout.num_workers)
+    os.sched_setaffinity(0, mine)
+    return mine

@@ -3,6 +3,8 @@ packing logic on the CPU), and the trainer on the resolved device."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -268,3 +270,69 @@ def test_lora_merge_follows_w0s_device_and_dtype():
     assert w.device.type == "meta" and w.dtype == torch.bfloat16 and w.shape == (4, 3)
     host = merge({"m.weight": torch.zeros(4, 3)}, adapters)["m.weight"]
     assert torch.equal(host, torch.full((4, 3), 2.0))
+
+
+# ----------------------------------------------------------------------------- cluster.cpu_affinity
+
+def test_cpu_plan_gives_trainer_and_rollouts_disjoint_cores():
+    from laminar.devices import cpu_plan
+
+    cores = list(range(16))
+    trainer = cpu_plan(cores, 4, None, 3)
+    rollouts = [cpu_plan(cores, 4, i, 3) for i in range(3)]
+    assert trainer == [0, 1, 2, 3]
+    assert rollouts == [[4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    # uneven: the first rollouts take one more; nothing shared, nothing left over
+    uneven = [cpu_plan(list(range(8)), 3, i, 2) for i in range(2)]
+    assert uneven == [[3, 4, 5], [6, 7]]
+    # default: half the cores for the trainer; two cores, two rollouts: they share the second
+    assert cpu_plan([0, 1], None, None, 2) == [0]
+    assert cpu_plan([0, 1], None, 0, 2) == cpu_plan([0, 1], None, 1, 2) == [1]
+    # more rollouts than cores left: round-robin; a later joiner takes its slot's cores
+    assert [cpu_plan([0, 1, 2, 3], 1, i, 5)[0] for i in range(5)] == [1, 2, 3, 1, 2]
+    assert cpu_plan(cores, 4, 4, 3) == rollouts[1]
+
+
+def test_cpu_plan_without_a_core_for_rollouts_names_the_key():
+    from laminar.devices import cpu_plan
+
+    with pytest.raises(ConfigError, match="cluster.trainer_cpus=2.*cluster.cpu_affinity=off"):
+        cpu_plan([0, 1], 2, None, 2)
+    with pytest.raises(ConfigError, match="1 core"):
+        cpu_plan([0], None, 0, 1)
+
+
+def test_cpu_affinity_is_refused_where_it_cannot_apply():
+    with pytest.raises(ConfigError, match="cluster.cpu_affinity=split.*cluster.backend=local"):
+        load_config(None, ["cluster.cpu_affinity=split", "cluster.backend=local"])
+    with pytest.raises(ConfigError, match="cluster.address"):
+        load_config(None, ["cluster.cpu_affinity=split", "cluster.address=auto"])
+
+
+def _affinity_after_pin(cfg, index, out):
+    from laminar.devices import pin_cpus
+
+    out.put((pin_cpus(cfg, index), sorted(os.sched_getaffinity(0))))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_pin_cpus_pins_a_real_process():
+    import multiprocessing as mp
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    cfg = load_config(None, ["cluster.cpu_affinity=split", "rollout.num_workers=2"])
+    ctx = mp.get_context("spawn")
+    for index, expected in ((None, cores[:max(1, len(cores) // 2)]),
+                            (1, devices.cpu_plan(cores, None, 1, 2))):
+        out = ctx.Queue()
+        p = ctx.Process(target=_affinity_after_pin, args=(cfg, index, out))
+        p.start()
+        pinned, seen = out.get(timeout=60)
+        p.join(timeout=60)
+        assert pinned == seen == expected
+    assert sorted(os.sched_getaffinity(0)) == cores  # this process untouched
+    off = load_config(None, [])
+    assert devices.pin_cpus(off, 0) is None
+    assert devices.rollout_index("rollout3.2") == 3 and devices.rollout_index("rollout12") == 12

@@ -48,6 +48,17 @@ class ClusterConfig(Section):
         "it and every rank writes its own rows of a push).")
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of the embedded cluster "
                                  "(default: enough for every actor).")
+    cpu_affinity: Literal["off", "split"] = Field(
+        "off", description="One machine: `split` pins the trainer and the rollouts to disjoint CPU "
+        "cores, as GPUs are disjoint devices on a real cluster: the trainer gets "
+        "cluster.trainer_cpus cores, each rollout its own share of the rest (rollouts share a "
+        "core only when there are more rollouts than cores left). Pools, manager, relays and "
+        "the driver stay unpinned. `off`: the OS schedules everything on every core "
+        "(rollout.cpu_nice still lets the trainer go first). docs/performance.md.")
+    trainer_cpus: int | None = Field(
+        None, ge=1, description="cluster.cpu_affinity=split: cores for the trainer (all its "
+        "ranks); unset = half of the cores this process may use, at least one, leaving at "
+        "least one for the rollouts.")
     wait_timeout_s: float = Field(300.0, gt=0.0, description="Longest any component may wait for "
                                   "another (data, weights, a step) before the run fails naming it.")
     heartbeat_s: float = Field(
@@ -55,6 +66,17 @@ class ClusterConfig(Section):
         "waits this long at most for a health-check answer, and is declared dead by the manager "
         "when it has not answered for 3 x this long. (Relays have their own: relay.heartbeat_s, "
         "relay.timeout_s; every liveness knob: docs/config.md.)")
+
+
+    @model_validator(mode="after")
+    def _affinity_on_one_machine(self) -> "ClusterConfig":
+        if self.cpu_affinity == "split" and (self.address or self.backend == "local"):
+            where = (f"cluster.address={self.address!r} (a Ray cluster: give rollouts and the "
+                     "trainer their own nodes or cluster.rollout_resources)" if self.address else
+                     "cluster.backend=local (one process: nothing to pin)")
+            raise ValueError(f"cluster.cpu_affinity=split pins actors to this machine's cores; "
+                             f"it does not apply with {where}: set cluster.cpu_affinity=off")
+        return self
 
 
 class ManagerConfig(Section):

@@ -22,6 +22,7 @@ import torch
 
 from laminar.actor import materialize
 from laminar.config import Config
+from laminar.devices import pin_cpus, rollout_index
 from laminar.envs.openai_server import serve_rollout
 from laminar.models import load_pretrained
 from laminar.rollout.build import build_rollout
@@ -96,6 +97,7 @@ class RolloutActor:
     def __init__(self, rollout_id: str, cfg: Config, model_dir: Any, relay: dict[str, Any],
                  pools: dict[str, Any], policy: Policy, version: int = 0) -> None:
         torch.set_num_threads(cfg.rollout.threads)
+        pin_cpus(cfg, rollout_index(rollout_id))  # cluster.cpu_affinity=split: its own cores
         if cfg.rollout.cpu_nice:
             os.nice(cfg.rollout.cpu_nice)  # yield the CPU to the trainer (always allowed)
         self.cfg = cfg

@@ -32,6 +32,7 @@ import torch
 
 from laminar.actor import materialize, start_failure
 from laminar.config import Config, ConfigError
+from laminar.devices import pin_cpus
 from laminar.models import load_pretrained
 from laminar.relay.client import Pusher
 from laminar.relay.plan import ChainPlan
@@ -90,6 +91,7 @@ class TrainerActor(TrainerService):
         """`group` (world size > 1): {"pg": the placement group, "bundles": its bundles,
         "model": the starting model as ranks on other nodes get it (a path or a
         actor.ShippedDir)}."""
+        pin_cpus(cfg, None)  # cluster.cpu_affinity=split: the trainer's own cores
         self.pusher = Pusher(ChainPlan.from_dict(plan), secret, cfg.relay)
         with warnings.catch_warnings():  # Ray's own property trips its deprecation warning
             warnings.simplefilter("ignore")
@@ -202,6 +204,7 @@ class TrainerRank:
                 f"directory {cfg.resolved_run_dir} as rank 0 does (every rank writes its shards of "
                 "a checkpoint there): set run_dir to a folder every trainer node mounts (a shared "
                 "filesystem), or run the ranks on one node")
+        pin_cpus(cfg, None)
         torch.set_num_threads(cfg.trainer.threads)
         torch.manual_seed(cfg.trainer.seed)
         self.ranks = Ranks.join(None, self.rank, cfg.trainer.world_size, cfg.cluster.wait_timeout_s,
