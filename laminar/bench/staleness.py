@@ -22,6 +22,7 @@ every trained token, mismatch and staleness together), engine_mismatch_p99 (the 
 `logprob_abs_diff_p99`, staleness-0 tokens only: the engine's numerics), is_ratio_p99,
 correction_masked, throughput (tokens/s), heldout_start, heldout_target, heldout_target_note,
 steps, repeats, task, workload, quick, runs (everything per cell and repeat) and provenance.
+With --out F.json it also draws F.png (laminar/bench/staleness_plot.py).
 """
 
 from __future__ import annotations
@@ -178,6 +179,12 @@ def main(quick: bool = False, out: str | None = None, lags: str | None = None,
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=1))
         print(f"wrote {out}")
+        try:
+            from laminar.bench.staleness_plot import plot_staleness  # matplotlib: the plots extra
+
+            print(f"wrote {plot_staleness(report, Path(out).with_suffix('.png'))}")
+        except ImportError as e:
+            print(f"no figure ({e.name} is missing: pip install 'laminar[plots]')")
     return report
 
 
