@@ -71,3 +71,16 @@ def test_bench_staleness_options_fail_early(capsys):
     assert "apply to `laminar bench staleness` only" in capsys.readouterr().err
     assert main(["bench", "staleness", "--modes", "laminar"]) == 2
     assert "apply to `laminar bench modes` only" in capsys.readouterr().err
+
+
+def test_the_figure_draws_reached_and_missed_cells(tmp_path):
+    pytest.importorskip("matplotlib")
+    from laminar.bench.staleness_plot import plot_staleness
+
+    runs = {"none": {1: [fake([[0, 0, 0.2], [10, 5, 0.3]], 0.3)], 4: [fake([[0, 0, 0.2], [9, 5, 0.22]], 0.22)]},
+            "tis": {1: [fake([[0, 0, 0.2], [11, 5, 0.31]], 0.31)], 4: [fake([[0, 0, 0.2]], None)]}}
+    report = {"task": "reverse", "steps": 5, "repeats": 1, "lags": [1, 4], "corrections": ["none", "tis"],
+              **summarize(runs),
+              "runs": {k: {str(lag): rs for lag, rs in by.items()} for k, by in runs.items()}}
+    path = plot_staleness(report, tmp_path / "s.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
