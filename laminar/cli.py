@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "e.g. 1,2,4,8 (the default)")
     p.add_argument("--corrections", default=None, help="staleness only: trainer.correction "
                    "kinds, e.g. none,tis,icepop,m2po (the default)")
+    p.add_argument("--metric", default=None, choices=["greedy_exact_match", "sampled_exact_match"],
+                   help="staleness only: the held-out score the target is set on (default "
+                   "greedy_exact_match; sampled_exact_match for a task where RL sharpens sampling "
+                   "but not the greedy answer)")
 
     p = sub.add_parser("report", help="summary and an HTML report of runs (or of bench modes results)")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
@@ -241,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
             if (args.backend, args.model, args.device) != (None,) * 3 and args.name != "engine":
                 raise ConfigError(f"--backend, --model and --device apply to `laminar bench engine` only, "
                                   f"not to `{args.name}`")
-            staleness = {"lags": args.lags, "corrections": args.corrections}
-            if args.name != "staleness" and staleness != {"lags": None, "corrections": None}:
-                raise ConfigError(f"--lags and --corrections apply to `laminar bench staleness` "
+            staleness = {"lags": args.lags, "corrections": args.corrections, "metric": args.metric}
+            if args.name != "staleness" and any(v is not None for v in staleness.values()):
+                raise ConfigError(f"--lags, --corrections and --metric apply to `laminar bench staleness` "
                                   f"only, not to `{args.name}`")
             if args.name == "modes":
                 module.main(quick=args.quick, out=args.out, **{**extra, "task": args.task or "reverse"})

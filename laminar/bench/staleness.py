@@ -12,6 +12,7 @@ mismatch of its steps.
 
     laminar bench staleness [--quick] [--lags 1,2,4,8] [--corrections none,tis,icepop,m2po]
                             [--repeats N] [--steps N] [--task reverse|calc|reasoning_gym]
+                            [--metric greedy_exact_match|sampled_exact_match]
                             [--set KEY=VALUE] [--out FILE]
 
 JSON keys: lags, corrections, default_correction (trainer.correction's default),
@@ -40,7 +41,7 @@ from laminar.bench import learning
 from laminar.bench.modes import QUICK_STEPS, WORKLOADS, bench_config, mode_steps, rotated, run_mode
 from laminar.config import ConfigError, TrainerConfig
 from laminar.config.trainer import CORRECTION_PARAMS
-from laminar.metrics import read_metrics
+from laminar.metrics import read_metrics, read_rows
 from laminar.provenance import provenance
 
 LAGS = (1, 2, 4, 8)
@@ -48,6 +49,7 @@ CORRECTIONS = ("none", "tis", "icepop", "m2po")
 QUICK_LAGS, QUICK_CORRECTIONS = (1, 4), ("none", "icepop")
 STEPS = 40  # every cell trains mode_steps("laminar", steps): bench modes' race length
 REPEATS = 2
+METRIC = "greedy_exact_match"  # the held-out score of `bench modes`' target rule
 # per-step keys summarised per cell: the median over the run's steps that have one
 ROW_KEYS = {"mismatch_p99": "logprob_abs_diff_all_p99", "engine_mismatch_p99": "logprob_abs_diff_p99",
             "is_ratio_p99": "is_ratio_p99", "correction_masked": "correction_masked",
@@ -85,10 +87,15 @@ def step_medians(rows: list[dict[str, Any]]) -> dict[str, float | None]:
 
 
 def run_cell(lag: int, correction: str, steps: int, root: Path, overrides: list[str],
-             task: str) -> dict[str, Any]:
+             task: str, metric: str = METRIC) -> dict[str, Any]:
     """One laminar run at `lag` with `correction`: `bench modes`' run_mode plus the step rows'
-    mismatch medians."""
+    mismatch medians; the held-out curve on `metric`."""
     result = run_mode("laminar", steps, root, overrides + cell_overrides(lag, correction), task)
+    if metric != METRIC:
+        curve = learning.heldout_curve(read_rows(root / "laminar"), metric)
+        result |= {"heldout": curve,
+                   "heldout_start": curve[0][2] if curve and curve[0][1] == 0 else None,
+                   "heldout_final": curve[-1][2] if curve and curve[-1][1] == result["steps"] else None}
     return {**result, **step_medians(read_metrics(root / "laminar"))}
 
 
@@ -130,7 +137,7 @@ def summarize(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, Any
 def main(quick: bool = False, out: str | None = None, lags: str | None = None,
          corrections: str | None = None, steps: int | None = None,
          overrides: list[str] | None = None, repeats: int | None = None,
-         task: str = "reverse") -> dict[str, Any]:
+         task: str = "reverse", metric: str | None = None) -> dict[str, Any]:
     if task not in WORKLOADS:
         raise ConfigError(f"--task {task!r}: bench staleness has a workload for {', '.join(WORKLOADS)}")
     lag_list = parse_list(lags, QUICK_LAGS if quick else LAGS, lambda v: v >= 1, "--lags", int)
@@ -157,7 +164,8 @@ def main(quick: bool = False, out: str | None = None, lags: str | None = None,
             for lag, kind in rotated(cells, r):
                 print(f"bench staleness: repeat {r + 1}/{repeats}, version_lag {lag}, "
                       f"correction {kind} ...", flush=True)
-                res = run_cell(lag, kind, steps, root / f"lag{lag}-{kind}-{r}", overrides, task)
+                res = run_cell(lag, kind, steps, root / f"lag{lag}-{kind}-{r}", overrides, task,
+                               metric or METRIC)
                 runs[kind][lag].append(res)
                 print(f"  {res['throughput']:.0f} tok/s, held-out {_fmt(res['heldout_start'])} -> "
                       f"{_fmt(res['heldout_final'])}, mismatch p99 {_fmt(res['mismatch_p99'], '.2e')}",
@@ -166,6 +174,7 @@ def main(quick: bool = False, out: str | None = None, lags: str | None = None,
         ray.shutdown()
     report: dict[str, Any] = {
         "task": task, "workload": WORKLOADS[task] + overrides, "steps": mode_steps("laminar", steps),
+        "metric": metric or METRIC,
         "quick": quick, "repeats": repeats, "lags": lag_list, "corrections": kinds,
         "default_correction": TrainerConfig().correction.kind, **summarize(runs),
         "runs": {k: {str(lag): [{key: v for key, v in res.items()
@@ -203,6 +212,7 @@ def print_table(report: dict[str, Any]) -> None:
                       f"{report['reference']['lag']}, {report['reference']['correction']})")
     table = Table(title=f"laminar bench staleness ({report['task']}): laminar mode, "
                         f"{report['steps']} steps, {report['repeats']} repeats (medians); held-out "
+                        f"{report.get('metric', METRIC)}: "
                         f"start {_fmt(report['heldout_start'])}, target {_fmt(target)}")
     for col in ("correction", "version_lag", "time to target", "held-out final", "tok/s",
                 "mismatch p99 (all)", "engine p99 (fresh)", "ratio p99", "masked", "entropy"):

@@ -58,7 +58,7 @@ def plot_staleness(report: dict[str, Any], path: str | Path) -> Path:
     if report.get("heldout_start") is not None:
         final_ax.axhline(report["heldout_start"], color="#999999", ls="--", lw=1, label="warm start")
     final_ax.set_title("final held-out score (median, range)", fontsize=10)
-    final_ax.set_ylabel("greedy exact match")
+    final_ax.set_ylabel(report.get("metric", "greedy_exact_match").replace("_", " "))
     tput_ax.set_title("training tokens/s (median)", fontsize=10)
     for ax in axes:
         ax.set_xticks(x, lags)
