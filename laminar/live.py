@@ -8,7 +8,8 @@ everywhere else (a log file, CI, a pipe).
 
 Live: a progress bar of trainer steps with ETA; a line per rollout (version, running/waiting,
 KV-utilisation bar, tokens/s, state); the trainer's newest step row (reward, held-out score,
-loss, staleness histogram, push stall); the relay chain with the version each relay holds; the
+loss, staleness histogram, push stall; the off-policy line: mismatch, ratio p99, masked share,
+entropy); the relay chain with the version each relay holds; the
 last few events. Redrawn at most 4 times a second however often it is fed (the driver polls
 every 0.5 s), with no thread of its own, so feeding it costs a dict update.
 
@@ -204,7 +205,7 @@ class LiveView:
         parts: list[Any] = [self._progress()]
         if self.state.rollouts:
             parts.append(self._rollouts())
-        parts += [self._trainer(), self._staleness()]
+        parts += [self._trainer(), self._staleness(), self._offpolicy()]
         if self.state.chain:
             parts.append(self._chain())
         if self.events:
@@ -262,6 +263,17 @@ class LiveView:
         top = max(hist.values(), default=0)
         cells = [f"{k} {bar(n / top if top else 0.0, 8)} {n}" for k, n in hist.items()]
         return Text("staleness  " + ("   ".join(cells) if cells else "-"))
+
+    def _offpolicy(self) -> Text:
+        """The newest step's mismatch (docs/staleness.md): |log pi_trainer - log pi_behaviour|
+        p99 over all trained tokens and over fresh ones, the ratio's p99, what was masked."""
+        row = self.last_step or {}
+        masked = row.get("correction_masked")
+        return Text(f"off-policy  |Δlogp| p99 {fmt(row.get('logprob_abs_diff_all_p99'), '.2e')} "
+                    f"(fresh {fmt(row.get('logprob_abs_diff_p99'), '.1e')}) | ratio p99 "
+                    f"{fmt(row.get('is_ratio_p99'), '.2f')} | masked "
+                    f"{'-' if masked is None else format(masked, '.1%')} | entropy "
+                    f"{fmt(row.get('entropy'), '.2f')}")
 
     def _chain(self) -> Text:
         links = [f"{rid} {'-' if v is None else f'v{v}'}" for rid, v in self.state.chain]

@@ -23,7 +23,7 @@ from laminar.config import ConfigError
 from laminar.metrics import read_rows, reward_trend
 from laminar import report_plots as plots
 from laminar.report_plots import (Run, Section, kv_section, latency_section, overview_png,
-                                  reward_section, score_section, staleness_section,
+                                  mismatch_section, reward_section, score_section, staleness_section,
                                   throughput_section, timeline_section)
 
 WARMUP = 3
@@ -235,7 +235,8 @@ def run_report_html(runs: list[Run]) -> str:
     table = _table_html([r.name for r in runs],
                         [(name, [h[i][1] for h in headers]) for i, (name, _) in enumerate(headers[0])])
     sections = [score_section(runs), reward_section(runs), throughput_section(runs),
-                staleness_section(runs), kv_section(runs), latency_section(runs)]
+                staleness_section(runs), mismatch_section(runs), kv_section(runs),
+                latency_section(runs)]
     sections += [timeline_section(r, len(runs)) for r in runs]
     where = ", ".join(html.escape(str(r.path.resolve())) for r in runs)
     intro = f"<p class='muted'>{where}</p>{table}" + "".join(_events_html(r) for r in runs)

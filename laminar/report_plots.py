@@ -166,6 +166,43 @@ def reward_section(runs: list[Run]) -> Section:
                    png=encode_png(fig))
 
 
+def mismatch_section(runs: list[Run]) -> Section:
+    """Off-policy metrics of every step (docs/staleness.md): |log pi_trainer - log pi_behaviour|
+    at p99 over every trained token (staleness and engine mismatch together) and over the
+    staleness-0 ones (the engines' numerics alone), then the importance ratio's p99 and the share
+    of tokens a correction masked."""
+    title = "Off-policy: mismatch and importance ratios"
+    caption = ("Left: p99 of |log π_trainer − log π_behaviour| per trained token, over all tokens "
+               "(staleness and engine mismatch together) and over staleness-0 tokens (the "
+               "engines' numerics), log scale. Right: the importance ratio's p99 and the share of "
+               "tokens trainer.correction masked (docs/staleness.md).")
+    lacking = [r for r in runs if not any(x.get("logprob_abs_diff_all_p99") is not None for x in r.steps)]
+    note = _missing(runs, lacking, "no mismatch metrics in its step rows (a run from before "
+                                   "they were logged)")
+    if len(lacking) == len(runs):
+        return Section(title, caption, note=note)
+    fig, axes = pyplot().subplots(1, 2, figsize=(WIDTH_IN, 3.9), layout="constrained")
+    fig.suptitle("mismatch and importance ratios by trainer step", fontsize=11)
+    for i, run in enumerate(runs):
+        s = [_num(r.get("step")) for r in run.steps]
+        for j, (key, name) in enumerate([("logprob_abs_diff_all_p99", "|Δ log p| p99, all tokens"),
+                                         ("logprob_abs_diff_p99", "|Δ log p| p99, staleness 0")]):
+            _line(axes[0], s, [_num(r.get(key)) for r in run.steps], lw=1.2,
+                  label=_label(run, name, len(runs)), **_style(i, j, len(runs)))
+        for j, (key, name) in enumerate([("is_ratio_p99", "ratio p99"),
+                                         ("correction_masked", "share masked")]):
+            _line(axes[1], s, [_num(r.get(key)) for r in run.steps], lw=1.2,
+                  label=_label(run, name, len(runs)), **_style(i, j + 2, len(runs)))
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("nats")
+    axes[1].set_ylabel("ratio / share")
+    for ax in axes:
+        ax.set_xlabel("trainer step")
+        ax.grid(alpha=0.3)
+    _finish_legend(fig, axes)
+    return Section(title, caption, png=encode_png(fig), note=note)
+
+
 def draw_train_throughput(ax, runs: list[Run]) -> None:
     for i, run in enumerate(runs):
         _line(ax, [_num(r.get("time")) for r in run.steps],

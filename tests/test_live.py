@@ -12,7 +12,9 @@ from laminar.live import LiveState, LiveView, RolloutLine, duration
 STEP = {"kind": "step", "time": 12.0, "step": 7, "version": 7, "reward": 0.8123,
         "exact_match": 0.34, "response_len_p50": 6.0, "response_len_p99": 79.0,
         "throughput_tokens_per_s": 6000.4, "loss": 0.08049, "push_stall_s": 0.031,
-        "staleness_hist": {"0": 120, "1": 8}}
+        "staleness_hist": {"0": 120, "1": 8}, "logprob_abs_diff_all_p99": 0.4812,
+        "logprob_abs_diff_p99": 2.9e-06, "is_ratio_p99": 1.294, "correction_masked": 0.0123,
+        "entropy": 1.234}
 EVAL = {"kind": "eval", "time": 13.0, "step": 5, "version": 6, "rollout": "rollout1",
         "greedy_exact_match": 0.45, "greedy_reward": 0.81, "sampled_exact_match": 0.38,
         "sampled_reward": 0.7, "num_prompts": 128, "eval_s": 2.08}
@@ -84,7 +86,8 @@ def test_live_panel_shows_rollouts_chain_and_events() -> None:
     for needle in ("8/30", "ETA", "rollout0", "generating", "v7", "5,300", "62%", "rollout1",
                    "draining", "master v8", "relay1 v8", "relay2 -", "repack: moved 3 trajectories",
                    "reward 0.812", "held-out 0.45 (v6)", "loss +0.0805", "push stall 0.03 s",
-                   "staleness", "120"):
+                   "staleness", "120", "|Δlogp| p99 4.81e-01", "fresh 2.9e-06",
+                   "ratio p99 1.29", "masked 1.2%", "entropy 1.23"):
         assert needle in final, needle
     assert "step    7/30 |" not in text  # no plain lines in live mode
     assert "generate" not in final.replace("generating", "")  # spans are not shown

@@ -25,7 +25,8 @@ from laminar.report import main as report
 SMALL = ["cluster.backend=local", "sft.enabled=false", "task.reverse.max_len=8",
          "rollout.max_new_tokens=9", "rollout.group_size=4", "trainer.prompts_per_step=4",
          "task.eval_prompts=8", "trainer.threads=1", "trainer.lr=1e-3"]
-FULL = ["Held-out score", "Training reward", "Throughput", "Staleness", "KV-cache utilisation",
+FULL = ["Held-out score", "Training reward", "Throughput", "Staleness",
+        "Off-policy: mismatch and importance ratios", "KV-cache utilisation",
         "Environment latency", "Timeline"]
 
 
@@ -42,6 +43,8 @@ def fake_run(run_dir: Path, mode: str = "laminar", steps: int = 12, kinds: bool 
                "gen_tokens_per_s": 400.0 + rng.normal(0, 9),
                "staleness_hist": {"0": 10, "1": 5, "2": 1}, "kv_util_mean": 0.5}
         if kinds:
+            row |= {"logprob_abs_diff_all_p99": 0.3 + 0.02 * step, "logprob_abs_diff_p99": 2e-6,
+                    "is_ratio_p99": 1.2 + 0.01 * step, "correction_masked": 0.01}
             row |= {"kv_util_by_rollout": {"rollout0": 0.4 + 0.01 * step, "rollout1": 0.6},
                     "gen_tokens_per_s_by_rollout": {"rollout0": 190.0, "rollout1": 210.0},
                     "env_latency_s": list(rng.lognormal(np.log(0.15), 1.0, 16))}
