@@ -47,6 +47,7 @@ from laminar.metrics import read_metrics, read_rows
 from laminar.modes import run_training
 from laminar.modes.common import start_weights
 from laminar.provenance import provenance, versions
+from laminar.runtime import ray_env_defaults
 from laminar.report import bench_html_path, write_bench_html
 from laminar.types import MODES
 
@@ -317,7 +318,7 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
     prov = provenance(config={m: bench_config(m, mode_steps(m, steps), root / m, overrides,
                                               task).model_dump(mode="json")
                               for m in schedules})
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray_env_defaults()  # as laminar's own jobs start Ray: workers at the driver's priority
     ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         on = run_condition(schedules, steps, repeats, root, overrides, "env-on", task)

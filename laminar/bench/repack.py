@@ -66,6 +66,7 @@ from laminar.modes import schedule
 from laminar.modes.common import start_weights
 from laminar.modes.driver import Follower, finish
 from laminar.provenance import provenance
+from laminar.runtime import ray_env_defaults
 from laminar.runtime import open_runtime
 from laminar.sim import costs
 from laminar.sim.calibration import Calibration
@@ -335,7 +336,7 @@ def main(quick: bool = False, out: str | None = None, repeats: int | None = None
     print(f"bench repack: laminar mode, 4 rollouts, {steps} steps, {repeats} repeats of with / "
           f"without repack (alternating); batch bound B = {knee['knee']} (the decode curve's "
           f"knee); runs in {root}", flush=True)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray_env_defaults()  # as laminar's own jobs start Ray: workers at the driver's priority
     ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
     runs: dict[str, list[dict[str, Any]]] = {"with": [], "without": []}
     try:

@@ -29,7 +29,6 @@ With --out F.json it also draws F.png (laminar/bench/staleness_plot.py).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -43,6 +42,7 @@ from laminar.config import ConfigError, TrainerConfig
 from laminar.config.trainer import CORRECTION_PARAMS
 from laminar.metrics import read_metrics, read_rows
 from laminar.provenance import provenance
+from laminar.runtime import ray_env_defaults
 
 LAGS = (1, 2, 4, 8)
 CORRECTIONS = ("none", "tis", "icepop", "m2po")
@@ -157,7 +157,7 @@ def main(quick: bool = False, out: str | None = None, lags: str | None = None,
         "laminar", mode_steps("laminar", steps), root / f"lag{lag}-{kind}",
         overrides + cell_overrides(lag, kind), task).model_dump(mode="json") for lag, kind in cells})
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {k: {lag: [] for lag in lag_list} for k in kinds}
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray_env_defaults()  # as laminar's own jobs start Ray: workers at the driver's priority
     ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         for r in range(repeats):
