@@ -71,7 +71,23 @@ def headline(data: dict[str, Any]) -> str:
         return _trainer(data)
     if "push_bytes_by_variant" in data:
         return _lora(data)
+    if "time_to_target_s" in data and "lags" in data:
+        return _staleness(data)
     return "—"
+
+
+def _staleness(d: dict[str, Any]) -> str:
+    """Per correction: time to the held-out target and final score at each lag."""
+    def cell(kind: str, lag: str) -> str:
+        t, f = d["time_to_target_s"][kind].get(lag), d["heldout_final"][kind].get(lag)
+        return (f"lag {lag} {'not reached' if t is None else f'{t:.0f} s'}"
+                + ("" if f is None else f" ({f:.3f})"))
+    target = d.get("heldout_target")
+    return (f"{d['task']}, {d['steps']} steps x {d['repeats']} repeat(s), {d.get('metric', 'greedy_exact_match')} "
+            f"{d['heldout_start']:.3f} -> target {'none' if target is None else f'{target:.3f}'}; time to "
+            "target (final score): " + "; ".join(
+                f"{kind}: " + ", ".join(cell(kind, str(lag)) for lag in d["lags"])
+                for kind in d["corrections"]))
 
 
 def _lora(d: dict[str, Any]) -> str:
