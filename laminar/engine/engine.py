@@ -58,7 +58,7 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
                  max_batch_size: int = 64, kv_capacity_tokens: int = 16384, version: int = 0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, share_prefixes: bool = True) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         if kv_capacity_tokens < 1:
@@ -76,6 +76,10 @@ class Engine:
         self.num_generated_tokens = 0
         self.num_reprefill_tokens = 0  # contexts of resumed requests prefilled again
         self.reprefill_s = 0.0  # their share of the steps that did it (see step)
+        self.share_prefixes = share_prefixes
+        self.num_prefill_tokens = 0  # prompt/context tokens computed by prefills (and forks)
+        self.num_prefix_lookups = 0  # fresh admissions of a shareable prompt
+        self.num_prefix_hits = 0  # ... that shared another sequence's prompt KV
         self._rng = random.Random(seed)  # seeds for requests that bring none
         self._live: dict[str, Sequence] = {}
         self._done_on_add: list[Sequence] = []  # resumed with nothing left to do: finish next step
@@ -96,7 +100,7 @@ class Engine:
                              f"kv_capacity_tokens={self.kv_capacity_tokens}; raise the capacity "
                              "or lower max_new_tokens")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(request, seed, self.eos_token_id)
+        seq = Sequence(request, seed, self.eos_token_id, self.share_prefixes)
         self._live[rid] = seq
         last = request.output_ids[-1] if request.output_ids else None
         if seq.budget_left <= 0 or last in seq.stop_ids:
@@ -127,7 +131,7 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[TokenDelta]:
-        """One scheduling step: admit (prefill) and decode together, one token per row."""
+        """One scheduling step: admit (prefill or fork) and decode together, one token per row."""
         deltas = [self._finish(seq) for seq in self._done_on_add]
         self._done_on_add = []
         admitted, moves = self.scheduler.schedule()
@@ -139,12 +143,17 @@ class Engine:
             if seq.request.version is None:
                 seq.request.version = self.version
         num_decode = len(rows) - len(admitted)
+        forks, prefills, followers = self._share(admitted, num_decode)
+        num_decode += len(forks)  # a fork decodes its prompt's last token
         decoding = rows[:num_decode]
         t0 = time.perf_counter()
-        logits = self.runner.run(
-            [seq.request.output_ids[-1] for seq in decoding],
-            [seq.num_tokens - 1 for seq in decoding],
-            [seq.context() for seq in admitted])
+        logits = self.runner.run([seq.last_token() for seq in decoding],
+                                 [seq.num_tokens - 1 for seq in decoding],
+                                 [seq.context() for seq in prefills])
+        if followers:  # same prompt, same logits; the leader's keys and values are written now
+            self.runner.kv.move([slot for slot, _ in followers], [lead for _, lead in followers],
+                                max(rows[slot].num_prompt for slot, _ in followers))
+            logits = logits[list(range(len(logits))) + [lead for _, lead in followers]]
         sampling = SamplingRows.from_rows(
             [seq.sampling_row for seq in rows],
             [(seq.seed, len(seq.request.output_ids)) for seq in rows],
@@ -152,10 +161,49 @@ class Engine:
             self.runner.device)
         tokens, logprobs = sample(logits, sampling)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()  # waits for the device
-        reprefill = sum(seq.num_tokens for seq in admitted if seq.is_resumed)
+        reprefill = sum(seq.num_tokens for seq in prefills if seq.is_resumed)
         if reprefill:
-            self._count_reprefill(admitted, reprefill, num_decode, time.perf_counter() - t0)
+            self._count_reprefill(prefills, reprefill, num_decode, time.perf_counter() - t0)
         return deltas + self._postprocess(rows, tokens, logprobs)
+
+    def _share(self, admitted: list[Sequence], num_decode: int
+               ) -> tuple[list[Sequence], list[Sequence], list[tuple[int, int]]]:
+        """Split this step's admissions by how their KV is built and order their slots so:
+        forks (a running sequence holds their prompt: copy its keys and values but the last
+        position, then decode the prompt's last token), prefills (computed), followers (a
+        prefill of this step has the same prompt: copy its KV afterwards and reuse its logits).
+        Returns (forks, prefills, [(follower slot, leader slot)])."""
+        prefills = [seq for seq in admitted if seq.prompt_key is None or not seq.is_fresh]
+        self.num_prefill_tokens += sum(seq.num_tokens for seq in prefills)
+        if len(prefills) == len(admitted):
+            return [], admitted, []
+        rows = self.scheduler.running
+        holders = {seq.prefix: slot for slot, seq in enumerate(rows[:num_decode])
+                   if seq.prefix is not None}
+        forks, followers, leaders = [], [], {}
+        for seq in admitted:
+            if seq.prompt_key is None or not seq.is_fresh:
+                continue
+            seq.prefix = key = (seq.prompt_key, self.version)
+            if key in holders:
+                forks.append((seq, holders[key]))
+            elif key in leaders:
+                followers.append((seq, leaders[key]))
+            else:
+                leaders[key] = seq
+                prefills.append(seq)
+                self.num_prefill_tokens += seq.num_tokens
+        self.num_prefix_lookups += len(forks) + len(followers) + len(leaders)
+        self.num_prefix_hits += len(forks) + len(followers)
+        self.num_prefill_tokens += len(forks)
+        rows[num_decode:] = [seq for seq, _ in forks] + prefills + [seq for seq, _ in followers]
+        if forks:
+            self.runner.kv.move(list(range(num_decode, num_decode + len(forks))),
+                                [donor for _, donor in forks],
+                                max(seq.num_prompt for seq, _ in forks) - 1)
+        slot_of = {id(seq): slot for slot, seq in enumerate(rows)}
+        return ([seq for seq, _ in forks], prefills,
+                [(slot_of[id(seq)], slot_of[id(lead)]) for seq, lead in followers])
 
     def _count_reprefill(self, admitted: list[Sequence], reprefill: int, num_decode: int,
                          seconds: float) -> None:
@@ -238,7 +286,7 @@ class Engine:
         # host -> device through the staging buffer on a GPU; one copy_ per tensor on the CPU
         stage_copy(dst, src, self.staging)
         self.runner.refresh()
-        self.version = version
+        self.version = self.scheduler.version = version
 
     def close(self) -> None:
         """Nothing to free beyond what garbage collection does (the protocol's close)."""
