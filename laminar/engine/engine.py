@@ -43,10 +43,11 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from laminar.devices import StagingBuffer, stage_copy
+from laminar.engine import speculation as speculative
 from laminar.engine.model_runner import ModelRunner
 from laminar.engine.protocol import check_request
 from laminar.engine.sampler import SamplingRows, sample
-from laminar.engine.scheduler import Scheduler
+from laminar.engine.scheduler import Scheduler, running_costs
 from laminar.engine.sequence import Sequence
 from laminar.types import EngineStats, GenerationRequest, TokenDelta
 
@@ -58,7 +59,7 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
                  max_batch_size: int = 64, kv_capacity_tokens: int = 16384, version: int = 0,
-                 seed: int = 0, share_prefixes: bool = True) -> None:
+                 seed: int = 0, share_prefixes: bool = True, speculation: int = 0) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         if kv_capacity_tokens < 1:
@@ -80,6 +81,11 @@ class Engine:
         self.num_prefill_tokens = 0  # prompt/context tokens computed by prefills (and forks)
         self.num_prefix_lookups = 0  # fresh admissions of a shareable prompt
         self.num_prefix_hits = 0  # ... that shared another sequence's prompt KV
+        # speculative decoding: up to `speculation` drafted tokens per row and step (0: off)
+        self.drafter = speculative.Drafter(speculation) if speculation else None
+        self.num_spec_steps = 0  # steps that verified drafts
+        self.num_drafted_tokens = 0
+        self.num_accepted_tokens = 0
         self._rng = random.Random(seed)  # seeds for requests that bring none
         self._live: dict[str, Sequence] = {}
         self._done_on_add: list[Sequence] = []  # resumed with nothing left to do: finish next step
@@ -101,6 +107,8 @@ class Engine:
                              "or lower max_new_tokens")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request, seed, self.eos_token_id, self.share_prefixes)
+        if self.drafter is not None:
+            self.drafter.register(seq)
         self._live[rid] = seq
         last = request.output_ids[-1] if request.output_ids else None
         if seq.budget_left <= 0 or last in seq.stop_ids:
@@ -145,6 +153,10 @@ class Engine:
         num_decode = len(rows) - len(admitted)
         forks, prefills, followers = self._share(admitted, num_decode)
         num_decode += len(forks)  # a fork decodes its prompt's last token
+        if self.drafter is not None and not admitted:
+            verified = self._speculate(rows)
+            if verified is not None:
+                return deltas + verified
         decoding = rows[:num_decode]
         t0 = time.perf_counter()
         logits = self.runner.run([seq.last_token() for seq in decoding],
@@ -164,7 +176,47 @@ class Engine:
         reprefill = sum(seq.num_tokens for seq in prefills if seq.is_resumed)
         if reprefill:
             self._count_reprefill(prefills, reprefill, num_decode, time.perf_counter() - t0)
-        return deltas + self._postprocess(rows, tokens, logprobs)
+        return deltas + self._postprocess(rows, [[t] for t in tokens], [[x] for x in logprobs])
+
+    def _speculate(self, rows: list[Sequence]) -> list[TokenDelta] | None:
+        """A decode step that verifies drafts (speculation.py): each row feeds its last token
+        and its draft, draws at every position as a plain step would, and keeps the draft's
+        confirmed tokens and the first differing draw. None when no row has a draft."""
+        drafter = self.drafter
+        drafter.begin_step()
+        room = self.kv_capacity_tokens - sum(running_costs(rows))  # KV left after this step
+        max_positions = self.runner.max_positions
+        drafts = []
+        for seq in rows:
+            limit = min(seq.budget_left - 1, max_positions - seq.num_tokens, room)
+            draft = drafter.propose(seq, limit) if limit > 0 else []
+            room -= len(draft)
+            drafts.append(draft)
+        if not any(drafts):
+            return None
+        feeds = [[seq.last_token()] + draft for seq, draft in zip(rows, drafts)]
+        logits = self.runner.verify(feeds, [seq.num_tokens - 1 for seq in rows])
+        sampling = SamplingRows.from_rows(
+            [seq.sampling_row for seq, feed in zip(rows, feeds) for _ in feed],
+            [(seq.seed, len(seq.request.output_ids) + j)
+             for seq, feed in zip(rows, feeds) for j in range(len(feed))],
+            all(seq.is_greedy for seq in rows), any(seq.is_filtered for seq in rows),
+            self.runner.device)
+        drawn, drawn_logprobs = sample(logits, sampling)
+        drawn, drawn_logprobs = drawn.tolist(), drawn_logprobs.tolist()
+        tokens, logprobs, offset = [], [], 0
+        for seq, draft in zip(rows, drafts):
+            here = drawn[offset:offset + len(draft) + 1]
+            num = speculative.accept(draft, here)
+            tokens.append(draft[:num] + [here[num]])
+            logprobs.append(drawn_logprobs[offset:offset + num + 1])
+            offset += len(draft) + 1
+            if draft:
+                drafter.feedback(seq, len(draft), num)
+                self.num_drafted_tokens += len(draft)
+                self.num_accepted_tokens += num
+        self.num_spec_steps += 1
+        return self._postprocess(rows, tokens, logprobs)
 
     def _share(self, admitted: list[Sequence], num_decode: int
                ) -> tuple[list[Sequence], list[Sequence], list[tuple[int, int]]]:
@@ -216,29 +268,37 @@ class Engine:
         for seq in admitted:
             seq.is_resumed = False
 
-    def _postprocess(self, rows: list[Sequence], tokens: list[int], logprobs: list[float]
-                     ) -> list[TokenDelta]:
-        deltas, finished = [], []
+    def _postprocess(self, rows: list[Sequence], tokens: list[list[int]],
+                     logprobs: list[list[float]]) -> list[TokenDelta]:
+        """Append each row's new tokens (one, or an accepted draft and a draw) up to the first
+        that finishes it."""
+        deltas, finished, num_new = [], [], 0
         eos, version = self.eos_token_id, self.version
-        for slot, (seq, token, logprob) in enumerate(zip(rows, tokens, logprobs)):
+        for slot, (seq, new, new_logprobs) in enumerate(zip(rows, tokens, logprobs)):
             request = seq.request
-            request.output_ids.append(token)
-            request.logprobs.append(logprob)
-            request.token_versions.append(version)
-            seq.num_tokens += 1
+            output, max_new = request.output_ids, request.params.max_new_tokens
             reason = None
-            if token == eos:
-                reason = "eos"
-            elif token in seq.stop_ids or (seq.stop_seqs and seq.stops_at_end(request.output_ids)):
-                reason = "stop"
-            elif len(request.output_ids) >= request.params.max_new_tokens:
-                reason = "length"
-            deltas.append(TokenDelta(request.request_id, [token], [logprob], reason))
+            for i, token in enumerate(new):
+                output.append(token)
+                if token == eos:
+                    reason = "eos"
+                elif token in seq.stop_ids or (seq.stop_seqs and seq.stops_at_end(output)):
+                    reason = "stop"
+                elif len(output) >= max_new:
+                    reason = "length"
+                if reason is not None:
+                    new, new_logprobs = new[:i + 1], new_logprobs[:i + 1]
+                    break
+            request.logprobs.extend(new_logprobs)
+            request.token_versions.extend([version] * len(new))
+            seq.num_tokens += len(new)
+            num_new += len(new)
+            deltas.append(TokenDelta(request.request_id, new, new_logprobs, reason))
             if reason is not None:
                 request.finish_reason = reason
                 del self._live[request.request_id]
                 finished.append(slot)
-        self.num_generated_tokens += len(tokens)
+        self.num_generated_tokens += num_new
         if finished:
             self._apply_moves(self.scheduler.remove_slots(finished))
         return deltas
