@@ -185,7 +185,7 @@ def sample_outputs(target, history_model, n: int, speculate: bool, seed0: int) -
     prompt = [BOS_ID, 30, 31, 32, 33, 34]
     params = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=6)
     engine = Engine(copy.deepcopy(history_model), NO_EOS, PAD_ID, max_batch_size=n,
-                    speculation=4 if speculate else 0)
+                    speculation=4 if speculate else 0, speculation_tokens=5 * n)
     engine.generate([GenerationRequest(f"h{i}", prompt, dataclasses.replace(params, seed=10**6 + i))
                      for i in range(64)])
     engine.load_weights(target.state_dict(), version=1)

@@ -59,7 +59,8 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
                  max_batch_size: int = 64, kv_capacity_tokens: int = 16384, version: int = 0,
-                 seed: int = 0, share_prefixes: bool = True, speculation: int = 0) -> None:
+                 seed: int = 0, share_prefixes: bool = True, speculation: int = 0,
+                 speculation_tokens: int = 64) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         if kv_capacity_tokens < 1:
@@ -83,6 +84,9 @@ class Engine:
         self.num_prefix_hits = 0  # ... that shared another sequence's prompt KV
         # speculative decoding: up to `speculation` drafted tokens per row and step (0: off)
         self.drafter = speculative.Drafter(speculation) if speculation else None
+        # a verifying step feeds at most this many tokens (rows + drafts): below the batch where
+        # a step's cost starts to grow with its tokens, a draft costs little (docs/engine.md)
+        self.speculation_tokens = speculation_tokens
         self.num_spec_steps = 0  # steps that verified drafts
         self.num_drafted_tokens = 0
         self.num_accepted_tokens = 0
@@ -153,22 +157,35 @@ class Engine:
         num_decode = len(rows) - len(admitted)
         forks, prefills, followers = self._share(admitted, num_decode)
         num_decode += len(forks)  # a fork decodes its prompt's last token
-        if self.drafter is not None and not admitted:
-            verified = self._speculate(rows)
-            if verified is not None:
-                return deltas + verified
         decoding = rows[:num_decode]
+        drafts = self._drafts(decoding) if self.drafter is not None and decoding else None
         t0 = time.perf_counter()
-        logits = self.runner.run([seq.last_token() for seq in decoding],
-                                 [seq.num_tokens - 1 for seq in decoding],
-                                 [seq.context() for seq in prefills])
+        if drafts is None:
+            widths = None
+            logits = self.runner.run([seq.last_token() for seq in decoding],
+                                     [seq.num_tokens - 1 for seq in decoding],
+                                     [seq.context() for seq in prefills])
+        else:  # every decode row's last token and draft, then the prefills after them
+            feeds = [[seq.last_token()] + draft for seq, draft in zip(decoding, drafts)]
+            widths = [len(feed) for feed in feeds] + [1] * (len(rows) - num_decode)
+            logits = self.runner.verify(feeds, [seq.num_tokens - 1 for seq in decoding])
+            if prefills:
+                logits = torch.cat((logits, self.runner.run(
+                    [], [], [seq.context() for seq in prefills], first_slot=num_decode)))
         if followers:  # same prompt, same logits; the leader's keys and values are written now
             self.runner.kv.move([slot for slot, _ in followers], [lead for _, lead in followers],
                                 max(rows[slot].num_prompt for slot, _ in followers))
-            logits = logits[list(range(len(logits))) + [lead for _, lead in followers]]
+            shift = len(logits) - (num_decode + len(prefills))  # the drafts' extra rows
+            logits = logits[list(range(len(logits))) + [lead + shift for _, lead in followers]]
+        if widths is None:
+            sampling_rows, counters = rows, [len(seq.request.output_ids) for seq in rows]
+        else:
+            sampling_rows = [seq for seq, w in zip(rows, widths) for _ in range(w)]
+            counters = [len(seq.request.output_ids) + j for seq, w in zip(rows, widths)
+                        for j in range(w)]
         sampling = SamplingRows.from_rows(
-            [seq.sampling_row for seq in rows],
-            [(seq.seed, len(seq.request.output_ids)) for seq in rows],
+            [seq.sampling_row for seq in sampling_rows],
+            [(seq.seed, c) for seq, c in zip(sampling_rows, counters)],
             all(seq.is_greedy for seq in rows), any(seq.is_filtered for seq in rows),
             self.runner.device)
         tokens, logprobs = sample(logits, sampling)
@@ -176,47 +193,51 @@ class Engine:
         reprefill = sum(seq.num_tokens for seq in prefills if seq.is_resumed)
         if reprefill:
             self._count_reprefill(prefills, reprefill, num_decode, time.perf_counter() - t0)
-        return deltas + self._postprocess(rows, [[t] for t in tokens], [[x] for x in logprobs])
+        if widths is None:
+            return deltas + self._postprocess(rows, [[t] for t in tokens],
+                                              [[x] for x in logprobs])
+        return deltas + self._postprocess(rows, *self._verified(rows, drafts, widths, tokens,
+                                                                logprobs))
 
-    def _speculate(self, rows: list[Sequence]) -> list[TokenDelta] | None:
-        """A decode step that verifies drafts (speculation.py): each row feeds its last token
-        and its draft, draws at every position as a plain step would, and keeps the draft's
-        confirmed tokens and the first differing draw. None when no row has a draft."""
+    def _drafts(self, decoding: list[Sequence]) -> list[list[int]] | None:
+        """A draft per decode row (speculation.py), the most accepted rows served first, within
+        `speculation_tokens` fed tokens and the KV capacity; None when no row has one."""
+        budget = self.speculation_tokens - len(decoding)
+        if budget <= 0:
+            return None
         drafter = self.drafter
         drafter.begin_step()
-        room = self.kv_capacity_tokens - sum(running_costs(rows))  # KV left after this step
+        room = self.kv_capacity_tokens - sum(running_costs(self.scheduler.running))
         max_positions = self.runner.max_positions
-        drafts = []
-        for seq in rows:
-            limit = min(seq.budget_left - 1, max_positions - seq.num_tokens, room)
-            draft = drafter.propose(seq, limit) if limit > 0 else []
-            room -= len(draft)
-            drafts.append(draft)
-        if not any(drafts):
-            return None
-        feeds = [[seq.last_token()] + draft for seq, draft in zip(rows, drafts)]
-        logits = self.runner.verify(feeds, [seq.num_tokens - 1 for seq in rows])
-        sampling = SamplingRows.from_rows(
-            [seq.sampling_row for seq, feed in zip(rows, feeds) for _ in feed],
-            [(seq.seed, len(seq.request.output_ids) + j)
-             for seq, feed in zip(rows, feeds) for j in range(len(feed))],
-            all(seq.is_greedy for seq in rows), any(seq.is_filtered for seq in rows),
-            self.runner.device)
-        drawn, drawn_logprobs = sample(logits, sampling)
-        drawn, drawn_logprobs = drawn.tolist(), drawn_logprobs.tolist()
+        drafts: list[list[int]] = [[] for _ in decoding]
+        for i in sorted(range(len(decoding)), key=lambda i: -decoding[i].spec.acceptance):
+            seq = decoding[i]
+            limit = min(seq.budget_left - 1, max_positions - seq.num_tokens, room, budget)
+            if limit > 0:
+                drafts[i] = drafter.propose(seq, limit)
+                room -= len(drafts[i])
+                budget -= len(drafts[i])
+        return drafts if any(drafts) else None
+
+    def _verified(self, rows: list[Sequence], drafts: list[list[int]], widths: list[int],
+                  drawn: list[int], drawn_logprobs: list[float]
+                  ) -> tuple[list[list[int]], list[list[float]]]:
+        """Each row's new tokens: its draft's confirmed prefix and the first differing draw
+        (speculation.accept), with the target's log-probs of those tokens."""
         tokens, logprobs, offset = [], [], 0
-        for seq, draft in zip(rows, drafts):
-            here = drawn[offset:offset + len(draft) + 1]
+        for i, (seq, width) in enumerate(zip(rows, widths)):
+            draft = drafts[i] if i < len(drafts) else []
+            here = drawn[offset:offset + width]
             num = speculative.accept(draft, here)
             tokens.append(draft[:num] + [here[num]])
             logprobs.append(drawn_logprobs[offset:offset + num + 1])
-            offset += len(draft) + 1
+            offset += width
             if draft:
-                drafter.feedback(seq, len(draft), num)
+                self.drafter.feedback(seq, len(draft), num)
                 self.num_drafted_tokens += len(draft)
                 self.num_accepted_tokens += num
         self.num_spec_steps += 1
-        return self._postprocess(rows, tokens, logprobs)
+        return tokens, logprobs
 
     def _share(self, admitted: list[Sequence], num_decode: int
                ) -> tuple[list[Sequence], list[Sequence], list[tuple[int, int]]]:

@@ -108,8 +108,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, decode_tokens: list[int], decode_positions: list[int],
-            prefill: list[list[int]]) -> torch.Tensor:
-        """Logits [n + m, vocab] for the last token of each decode row, then each prefill row."""
+            prefill: list[list[int]], first_slot: int = 0) -> torch.Tensor:
+        """Logits [n + m, vocab] for the last token of each decode row, then each prefill row.
+        Rows occupy slots first_slot.. (a step that verifies drafts prefills after them)."""
         n, m = len(decode_tokens), len(prefill)
         lengths = [len(ctx) for ctx in prefill]
         width = max(lengths, default=0)
@@ -157,6 +158,8 @@ class ModelRunner:
             q = q * q_cos + torch.roll(q, half, dims=-1) * q_sin
             k = k * cos + torch.roll(k, half, dims=-1) * sin
             k_cache, v_cache = self.kv.layer(index)
+            if first_slot:  # views: the rows' slots from 0
+                k_cache, v_cache = k_cache[first_slot:], v_cache[first_slot:]
             k_cache[slots, :, pos] = k
             v_cache[slots, :, pos] = v
             if index == final and last is not None:
