@@ -208,3 +208,33 @@ def test_temperature_1_distribution_is_the_models_and_the_test_has_power(model, 
     monkeypatch.setattr(speculation, "accept", lambda draft, drawn: len(draft))
     broken = sample_outputs(target, history, n, speculate=True, seed0=50_000)
     assert chi_square_p(plain, broken) < 1e-6
+
+
+# -- metrics -------------------------------------------------------------------------------------
+
+
+def test_stats_reach_step_rows_as_rates(model):
+    """engine.stats() -> the rollout's counters (snapshot) -> a step row's rates since the
+    previous row (observe/activity.py)."""
+    from laminar.observe.activity import RolloutActivity
+    from laminar.types import RolloutCounters, RolloutSnapshot
+
+    engine = Engine(model, NO_EOS, PAD_ID, max_batch_size=8, speculation=4)
+    two_epochs(engine, prompts(2, seed=6), SamplingParams(temperature=0.0, max_new_tokens=16))
+    s = engine.stats()
+    assert (s.num_drafted_tokens, s.num_accepted_tokens, s.num_spec_steps) == (
+        engine.num_drafted_tokens, engine.num_accepted_tokens, engine.num_spec_steps)
+    assert s.num_prefix_hits == 2 * 2 * 3 and s.num_prefix_lookups == 2 * 2 * 4  # 3 of 4 share
+
+    def snap(c: RolloutCounters) -> RolloutSnapshot:
+        return RolloutSnapshot("r0", 0, 0, 0, 0, 0, 0, 100, False, False, c)
+
+    activity = RolloutActivity()
+    activity.row_fields({"r0": snap(RolloutCounters())}, {"repacks": 0, "moved_trajectories": 0})
+    later = RolloutCounters(spec_drafted_tokens=s.num_drafted_tokens,
+                            spec_accepted_tokens=s.num_accepted_tokens, spec_steps=s.num_spec_steps,
+                            prefix_lookups=s.num_prefix_lookups, prefix_hits=s.num_prefix_hits)
+    row = activity.row_fields({"r0": snap(later)}, {"repacks": 0, "moved_trajectories": 0})
+    assert row["spec_acceptance_rate"] == s.num_accepted_tokens / s.num_drafted_tokens
+    assert row["spec_accepted_per_step"] == s.num_accepted_tokens / s.num_spec_steps
+    assert row["prefix_hit_rate"] == 0.75

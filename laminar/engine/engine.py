@@ -377,4 +377,7 @@ class Engine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_used_tokens=self.scheduler.kv_used_tokens(),
             kv_capacity_tokens=self.kv_capacity_tokens,
-            num_generated_tokens=self.num_generated_tokens, version=self.version)
+            num_generated_tokens=self.num_generated_tokens, version=self.version,
+            num_drafted_tokens=self.num_drafted_tokens,
+            num_accepted_tokens=self.num_accepted_tokens, num_spec_steps=self.num_spec_steps,
+            num_prefix_lookups=self.num_prefix_lookups, num_prefix_hits=self.num_prefix_hits)
