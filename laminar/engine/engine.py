@@ -201,10 +201,11 @@ class Engine:
 
     def _drafts(self, decoding: list[Sequence]) -> list[list[int]] | None:
         """A draft per decode row (speculation.py), the most accepted rows served first, within
-        `speculation_tokens` fed tokens and the KV capacity; None when no row has one."""
+        `speculation_tokens` fed tokens and the KV capacity; None when no row has one, or when
+        the batch is over half of `speculation_tokens`."""
         budget = self.speculation_tokens - len(decoding)
-        if budget <= 0:
-            return None
+        if budget < len(decoding):  # the verify forward costs more per row than a decode step:
+            return None  # worth it only where every row could have a draft (the tail)
         drafter = self.drafter
         drafter.begin_step()
         room = self.kv_capacity_tokens - sum(running_costs(self.scheduler.running))
