@@ -238,3 +238,22 @@ def test_stats_reach_step_rows_as_rates(model):
     assert row["spec_acceptance_rate"] == s.num_accepted_tokens / s.num_drafted_tokens
     assert row["spec_accepted_per_step"] == s.num_accepted_tokens / s.num_spec_steps
     assert row["prefix_hit_rate"] == 0.75
+
+
+def test_multi_turn_episodes_equal_no_speculation(model):
+    """Three turns of four episodes: each turn's prompt is the last one's transcript plus a
+    tool reply, so the prompt's own n-grams (the earlier turns) feed the drafts."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, stop_sequences=((102, 41),))
+
+    def episodes(engine: Engine) -> list[list[int]]:
+        contexts = [list(p) for p in prompts(4, seed=7)]
+        for turn in range(3):
+            reqs = [GenerationRequest(f"t{turn}e{i}", ctx, dataclasses.replace(params, seed=i))
+                    for i, ctx in enumerate(contexts)]
+            engine.generate(reqs)
+            contexts = [r.prompt_ids + r.output_ids + [50, 51, 52] for r in reqs]
+        return contexts
+
+    engine = Engine(model, NO_EOS, PAD_ID, max_batch_size=8, speculation=4)
+    assert episodes(engine) == episodes(Engine(model, NO_EOS, PAD_ID, max_batch_size=8))
+    assert engine.num_drafted_tokens > 0
