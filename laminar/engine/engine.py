@@ -6,8 +6,11 @@ and in-place weight swaps.
     while engine.has_unfinished():
         for delta in engine.step(): ...          # new tokens, their log-probs, finish reasons
 
-`step()` is schedule (scheduler.py: preempt or admit against the KV capacity), run (one forward
-over decode and newly admitted rows, model_runner.py), sample (sampler.py, all rows at once),
+`step()` is schedule (scheduler.py: preempt or admit against the KV capacity), share (`_share`:
+a fresh sample whose prompt another sequence holds copies its keys and values instead of
+prefilling them), run (one forward over decode and newly admitted rows, model_runner.py; with
+`speculation`, decode rows also feed drafts, `_drafts`, verified in the same forward),
+sample (sampler.py, all rows at once; `_verified` keeps the confirmed drafts, speculation.py),
 then postprocess: append to each request, finish on EOS / stop token / budget, and free the
 finished rows at once. The `GenerationRequest` objects are the state: the engine appends to
 `output_ids` / `logprobs` in place, `abort` hands them back unfinished, and `add` of a request
