@@ -186,6 +186,7 @@ def sample_outputs(target, history_model, n: int, speculate: bool, seed0: int) -
     params = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=6)
     engine = Engine(copy.deepcopy(history_model), NO_EOS, PAD_ID, max_batch_size=n,
                     speculation=4 if speculate else 0, speculation_tokens=5 * n)
+    engine.speculation_min_drafts = 0.0  # verify whatever is drafted: the rule under test
     engine.generate([GenerationRequest(f"h{i}", prompt, dataclasses.replace(params, seed=10**6 + i))
                      for i in range(64)])
     engine.load_weights(target.state_dict(), version=1)

@@ -90,6 +90,7 @@ class Engine:
         # a verifying step feeds at most this many tokens (rows + drafts): below the batch where
         # a step's cost starts to grow with its tokens, a draft costs little (docs/engine.md)
         self.speculation_tokens = speculation_tokens
+        self.speculation_min_drafts = 1.0  # drafted tokens per row a step verifies at least
         self.num_spec_steps = 0  # steps that verified drafts
         self.num_drafted_tokens = 0
         self.num_accepted_tokens = 0
@@ -204,8 +205,8 @@ class Engine:
 
     def _drafts(self, decoding: list[Sequence]) -> list[list[int]] | None:
         """A draft per decode row (speculation.py), the most accepted rows served first, within
-        `speculation_tokens` fed tokens and the KV capacity; None when no row has one, or when
-        the batch is over half of `speculation_tokens`."""
+        `speculation_tokens` fed tokens and the KV capacity; None when the batch is over half
+        of `speculation_tokens` or the drafts are fewer than the rows."""
         budget = self.speculation_tokens - len(decoding)
         if budget < len(decoding):  # the verify forward costs more per row than a decode step:
             return None  # worth it only where every row could have a draft (the tail)
@@ -221,7 +222,10 @@ class Engine:
                 drafts[i] = drafter.propose(seq, limit)
                 room -= len(drafts[i])
                 budget -= len(drafts[i])
-        return drafts if any(drafts) else None
+        # a verify forward costs about a decode step per fed token: it pays once the drafts
+        # at least double the tokens of the step (measured: docs/engine.md)
+        enough = sum(len(d) for d in drafts) >= self.speculation_min_drafts * len(decoding)
+        return drafts if enough and any(drafts) else None
 
     def _verified(self, rows: list[Sequence], drafts: list[list[int]], widths: list[int],
                   drawn: list[int], drawn_logprobs: list[float]
