@@ -3,6 +3,8 @@ variants of `bench engine --spec` do the same work."""
 
 from __future__ import annotations
 
+import pytest
+
 from laminar.bench.engine import build_workload, step_counts
 
 
@@ -20,6 +22,7 @@ def test_workload_has_the_reverse_task_long_tail():
     assert static / ideal > 2.5
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_spec_bench_prefix_variants_do_the_same_work():
     from laminar.bench.engine_spec import GROUP_SIZE, group_workload, run_groups
     from laminar.models import build_preset
