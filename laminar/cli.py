@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"),
                    help="engine only: where the native engine runs (default cpu; vLLM picks "
                         "its own device)")
+    p.add_argument("--spec", action="store_true",
+                   help="engine only: measure shared group prefixes and speculative decoding "
+                        "instead (laminar/bench/engine_spec.py)")
     p.add_argument("--modes", default=None,
                    help=f"modes only: comma-separated subset of {','.join((*MODES, 'trl'))} "
                         "(default: all)")
@@ -245,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
             if (args.backend, args.model, args.device) != (None,) * 3 and args.name != "engine":
                 raise ConfigError(f"--backend, --model and --device apply to `laminar bench engine` only, "
                                   f"not to `{args.name}`")
+            if args.spec and args.name != "engine":
+                raise ConfigError(f"--spec applies to `laminar bench engine` only, not to "
+                                  f"`{args.name}`")
             staleness = {"lags": args.lags, "corrections": args.corrections, "metric": args.metric}
             if args.name != "staleness" and any(v is not None for v in staleness.values()):
                 raise ConfigError(f"--lags, --corrections and --metric apply to `laminar bench staleness` "
@@ -261,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
             elif any(v is not None and v != [] for v in extra.values()):
                 raise ConfigError("--modes, --steps, --repeats, --no-control, --predicted, --task and --set apply to "
                                   f"`laminar bench modes` only, not to `{args.name}`")
+            elif args.name == "engine" and args.spec:
+                importlib.import_module("laminar.bench.engine_spec").main(quick=args.quick,
+                                                                          out=args.out)
             elif args.name == "engine":
                 module.main(quick=args.quick, out=args.out, backends=args.backend or "native",
                             model=args.model, device=args.device or "cpu")

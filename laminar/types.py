@@ -119,6 +119,14 @@ class EngineStats:
     kv_capacity_tokens: int  # KV capacity in tokens
     num_generated_tokens: int  # cumulative tokens generated since the engine started
     version: int  # weight version currently loaded
+    # cumulative, the native engine's (0 where an engine has none): speculative decoding's
+    # drafted and accepted tokens and the steps that verified drafts; fresh admissions of a
+    # shareable prompt and those that shared another sequence's prompt KV
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
+    num_prefix_lookups: int = 0
+    num_prefix_hits: int = 0
 
     @property
     def kv_utilization(self) -> float:
@@ -211,6 +219,11 @@ class RolloutCounters:
     adopted: int = 0  # trajectories received by repack or failover
     exported: int = 0  # trajectories handed over by repack or retirement
     versions: list[int] = field(default_factory=list)  # versions loaded, in order
+    spec_drafted_tokens: int = 0  # the engine's EngineStats of the same names, as of the
+    spec_accepted_tokens: int = 0  # last snapshot (speculative decoding, shared prefixes)
+    spec_steps: int = 0
+    prefix_lookups: int = 0
+    prefix_hits: int = 0
 
 
 @dataclass(slots=True)

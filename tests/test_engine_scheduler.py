@@ -32,3 +32,26 @@ def test_compact_fills_holes_from_the_end():
     assert compact(5, [0, 1]) == [(0, 3), (1, 4)]
     assert compact(3, [2]) == []
     assert compact(4, [0, 1, 2, 3]) == []
+
+
+def _seq(prompt_len: int, generated: int = 0, holds: bool = False):
+    from laminar.engine.sequence import Sequence
+    from laminar.types import GenerationRequest
+
+    request = GenerationRequest("r", list(range(prompt_len)), output_ids=[7] * generated)
+    seq = Sequence(request, seed=0, eos_token_id=1, share_prefix=True)
+    if holds:
+        seq.prefix = (seq.prompt_key, 0)
+    return seq
+
+
+def test_a_shared_prompt_is_charged_to_its_first_holder_only():
+    from laminar.engine.scheduler import running_costs, waiting_costs
+
+    a, b, c = _seq(10, 3, holds=True), _seq(10, 5, holds=True), _seq(4, 2)
+    assert running_costs([a, b, c]) == [13, 5, 6]
+    # fresh samples of the held prompt cost nothing (plan_step adds their next token); a fresh
+    # new prompt is charged once, to the first in the queue; a resumed sample pays its context
+    assert waiting_costs([a, b], [_seq(10), _seq(6), _seq(6), _seq(10, 2)], version=0) == \
+        [0, 6, 0, 12]
+    assert waiting_costs([a], [_seq(10)], version=1) == [10]  # keys of other weights

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from laminar.config.base import Device, Section, device_setting
 
@@ -28,6 +28,21 @@ class EngineConfig(Section):
     vllm_enforce_eager: bool = Field(
         True, description="vllm: run the model eagerly. False lets vLLM compile it and capture "
         "CUDA graphs: a longer start, a faster decode on GPUs.")
+
+    speculation: int = Field(
+        0, ge=0, le=16, description="native: lossless speculative decoding, up to this many "
+        "drafted tokens per sequence and step (0 = off). Drafts come from the outputs the engine "
+        "has seen for the same prompt (the group's siblings, earlier epochs) and the context's "
+        "n-grams; the model verifies them in one forward and keeps exactly the tokens it would "
+        "have sampled, so outputs and log-probs are those without speculation (docs/engine.md).")
+
+    @model_validator(mode="after")
+    def _speculation_is_native(self) -> "EngineConfig":
+        if self.speculation and self.backend != "native":
+            raise ValueError(f"rollout.engine.speculation={self.speculation} is implemented by "
+                             f"the native engine only, not backend={self.backend}; set "
+                             "rollout.engine.speculation=0 or rollout.engine.backend=native")
+        return self
 
     @field_validator("backend", mode="before")
     @classmethod

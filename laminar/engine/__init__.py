@@ -27,7 +27,7 @@ def build_engine(cfg: EngineConfig, model, eos_token_id: int, pad_token_id: int,
     return _engine_class("Engine")(model, eos_token_id, pad_token_id,
                                    max_batch_size=cfg.max_batch_size,
                                    kv_capacity_tokens=cfg.kv_capacity_tokens, version=version,
-                                   seed=seed)
+                                   seed=seed, speculation=cfg.speculation)
 
 
 def _engine_class(name: str) -> Any:

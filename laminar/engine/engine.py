@@ -6,8 +6,11 @@ and in-place weight swaps.
     while engine.has_unfinished():
         for delta in engine.step(): ...          # new tokens, their log-probs, finish reasons
 
-`step()` is schedule (scheduler.py: preempt or admit against the KV capacity), run (one forward
-over decode and newly admitted rows, model_runner.py), sample (sampler.py, all rows at once),
+`step()` is schedule (scheduler.py: preempt or admit against the KV capacity), share (`_share`:
+a fresh sample whose prompt another sequence holds copies its keys and values instead of
+prefilling them), run (one forward over decode and newly admitted rows, model_runner.py; with
+`speculation`, decode rows also feed drafts, `_drafts`, verified in the same forward),
+sample (sampler.py, all rows at once; `_verified` keeps the confirmed drafts, speculation.py),
 then postprocess: append to each request, finish on EOS / stop token / budget, and free the
 finished rows at once. The `GenerationRequest` objects are the state: the engine appends to
 `output_ids` / `logprobs` in place, `abort` hands them back unfinished, and `add` of a request
@@ -43,10 +46,11 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from laminar.devices import StagingBuffer, stage_copy
+from laminar.engine import speculation as speculative
 from laminar.engine.model_runner import ModelRunner
 from laminar.engine.protocol import check_request
 from laminar.engine.sampler import SamplingRows, sample
-from laminar.engine.scheduler import Scheduler
+from laminar.engine.scheduler import Scheduler, running_costs
 from laminar.engine.sequence import Sequence
 from laminar.types import EngineStats, GenerationRequest, TokenDelta
 
@@ -58,7 +62,8 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
                  max_batch_size: int = 64, kv_capacity_tokens: int = 16384, version: int = 0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, share_prefixes: bool = True, speculation: int = 0,
+                 speculation_tokens: int = 64) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         if kv_capacity_tokens < 1:
@@ -76,6 +81,19 @@ class Engine:
         self.num_generated_tokens = 0
         self.num_reprefill_tokens = 0  # contexts of resumed requests prefilled again
         self.reprefill_s = 0.0  # their share of the steps that did it (see step)
+        self.share_prefixes = share_prefixes
+        self.num_prefill_tokens = 0  # prompt/context tokens computed by prefills (and forks)
+        self.num_prefix_lookups = 0  # fresh admissions of a shareable prompt
+        self.num_prefix_hits = 0  # ... that shared another sequence's prompt KV
+        # speculative decoding: up to `speculation` drafted tokens per row and step (0: off)
+        self.drafter = speculative.Drafter(speculation) if speculation else None
+        # a verifying step feeds at most this many tokens (rows + drafts): below the batch where
+        # a step's cost starts to grow with its tokens, a draft costs little (docs/engine.md)
+        self.speculation_tokens = speculation_tokens
+        self.speculation_min_drafts = 1.0  # drafted tokens per row a step verifies at least
+        self.num_spec_steps = 0  # steps that verified drafts
+        self.num_drafted_tokens = 0
+        self.num_accepted_tokens = 0
         self._rng = random.Random(seed)  # seeds for requests that bring none
         self._live: dict[str, Sequence] = {}
         self._done_on_add: list[Sequence] = []  # resumed with nothing left to do: finish next step
@@ -96,7 +114,9 @@ class Engine:
                              f"kv_capacity_tokens={self.kv_capacity_tokens}; raise the capacity "
                              "or lower max_new_tokens")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(request, seed, self.eos_token_id)
+        seq = Sequence(request, seed, self.eos_token_id, self.share_prefixes)
+        if self.drafter is not None:
+            self.drafter.register(seq)
         self._live[rid] = seq
         last = request.output_ids[-1] if request.output_ids else None
         if seq.budget_left <= 0 or last in seq.stop_ids:
@@ -127,7 +147,7 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[TokenDelta]:
-        """One scheduling step: admit (prefill) and decode together, one token per row."""
+        """One scheduling step: admit (prefill or fork) and decode together, one token per row."""
         deltas = [self._finish(seq) for seq in self._done_on_add]
         self._done_on_add = []
         admitted, moves = self.scheduler.schedule()
@@ -139,23 +159,132 @@ class Engine:
             if seq.request.version is None:
                 seq.request.version = self.version
         num_decode = len(rows) - len(admitted)
+        forks, prefills, followers = self._share(admitted, num_decode)
+        num_decode += len(forks)  # a fork decodes its prompt's last token
         decoding = rows[:num_decode]
+        drafts = self._drafts(decoding) if self.drafter is not None and decoding else None
         t0 = time.perf_counter()
-        logits = self.runner.run(
-            [seq.request.output_ids[-1] for seq in decoding],
-            [seq.num_tokens - 1 for seq in decoding],
-            [seq.context() for seq in admitted])
+        if drafts is None:
+            widths = None
+            logits = self.runner.run([seq.last_token() for seq in decoding],
+                                     [seq.num_tokens - 1 for seq in decoding],
+                                     [seq.context() for seq in prefills])
+        else:  # every decode row's last token and draft, then the prefills after them
+            feeds = [[seq.last_token()] + draft for seq, draft in zip(decoding, drafts)]
+            widths = [len(feed) for feed in feeds] + [1] * (len(rows) - num_decode)
+            logits = self.runner.verify(feeds, [seq.num_tokens - 1 for seq in decoding])
+            if prefills:
+                logits = torch.cat((logits, self.runner.run(
+                    [], [], [seq.context() for seq in prefills], first_slot=num_decode)))
+        if followers:  # same prompt, same logits; the leader's keys and values are written now
+            self.runner.kv.move([slot for slot, _ in followers], [lead for _, lead in followers],
+                                max(rows[slot].num_prompt for slot, _ in followers))
+            shift = len(logits) - (num_decode + len(prefills))  # the drafts' extra rows
+            logits = logits[list(range(len(logits))) + [lead + shift for _, lead in followers]]
+        if widths is None:
+            sampling_rows, counters = rows, [len(seq.request.output_ids) for seq in rows]
+        else:
+            sampling_rows = [seq for seq, w in zip(rows, widths) for _ in range(w)]
+            counters = [len(seq.request.output_ids) + j for seq, w in zip(rows, widths)
+                        for j in range(w)]
         sampling = SamplingRows.from_rows(
-            [seq.sampling_row for seq in rows],
-            [(seq.seed, len(seq.request.output_ids)) for seq in rows],
+            [seq.sampling_row for seq in sampling_rows],
+            [(seq.seed, c) for seq, c in zip(sampling_rows, counters)],
             all(seq.is_greedy for seq in rows), any(seq.is_filtered for seq in rows),
             self.runner.device)
         tokens, logprobs = sample(logits, sampling)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()  # waits for the device
-        reprefill = sum(seq.num_tokens for seq in admitted if seq.is_resumed)
+        reprefill = sum(seq.num_tokens for seq in prefills if seq.is_resumed)
         if reprefill:
-            self._count_reprefill(admitted, reprefill, num_decode, time.perf_counter() - t0)
-        return deltas + self._postprocess(rows, tokens, logprobs)
+            self._count_reprefill(prefills, reprefill, num_decode, time.perf_counter() - t0)
+        if widths is None:
+            return deltas + self._postprocess(rows, [[t] for t in tokens],
+                                              [[x] for x in logprobs])
+        return deltas + self._postprocess(rows, *self._verified(rows, drafts, widths, tokens,
+                                                                logprobs))
+
+    def _drafts(self, decoding: list[Sequence]) -> list[list[int]] | None:
+        """A draft per decode row (speculation.py), the most accepted rows served first, within
+        `speculation_tokens` fed tokens and the KV capacity; None when the batch is over half
+        of `speculation_tokens` or the drafts are fewer than the rows."""
+        budget = self.speculation_tokens - len(decoding)
+        if budget < len(decoding):  # the verify forward costs more per row than a decode step:
+            return None  # worth it only where every row could have a draft (the tail)
+        drafter = self.drafter
+        drafter.begin_step()
+        room = self.kv_capacity_tokens - sum(running_costs(self.scheduler.running))
+        max_positions = self.runner.max_positions
+        drafts: list[list[int]] = [[] for _ in decoding]
+        for i in sorted(range(len(decoding)), key=lambda i: -decoding[i].spec.acceptance):
+            seq = decoding[i]
+            limit = min(seq.budget_left - 1, max_positions - seq.num_tokens, room, budget)
+            if limit > 0:
+                drafts[i] = drafter.propose(seq, limit)
+                room -= len(drafts[i])
+                budget -= len(drafts[i])
+        # a verify forward costs about a decode step per fed token: it pays once the drafts
+        # at least double the tokens of the step (measured: docs/engine.md)
+        enough = sum(len(d) for d in drafts) >= self.speculation_min_drafts * len(decoding)
+        return drafts if enough and any(drafts) else None
+
+    def _verified(self, rows: list[Sequence], drafts: list[list[int]], widths: list[int],
+                  drawn: list[int], drawn_logprobs: list[float]
+                  ) -> tuple[list[list[int]], list[list[float]]]:
+        """Each row's new tokens: its draft's confirmed prefix and the first differing draw
+        (speculation.accept), with the target's log-probs of those tokens."""
+        tokens, logprobs, offset = [], [], 0
+        for i, (seq, width) in enumerate(zip(rows, widths)):
+            draft = drafts[i] if i < len(drafts) else []
+            here = drawn[offset:offset + width]
+            num = speculative.accept(draft, here)
+            tokens.append(draft[:num] + [here[num]])
+            logprobs.append(drawn_logprobs[offset:offset + num + 1])
+            offset += width
+            if draft:
+                self.drafter.feedback(seq, len(draft), num)
+                self.num_drafted_tokens += len(draft)
+                self.num_accepted_tokens += num
+        self.num_spec_steps += 1
+        return tokens, logprobs
+
+    def _share(self, admitted: list[Sequence], num_decode: int
+               ) -> tuple[list[Sequence], list[Sequence], list[tuple[int, int]]]:
+        """Split this step's admissions by how their KV is built and order their slots so:
+        forks (a running sequence holds their prompt: copy its keys and values but the last
+        position, then decode the prompt's last token), prefills (computed), followers (a
+        prefill of this step has the same prompt: copy its KV afterwards and reuse its logits).
+        Returns (forks, prefills, [(follower slot, leader slot)])."""
+        prefills = [seq for seq in admitted if seq.prompt_key is None or not seq.is_fresh]
+        self.num_prefill_tokens += sum(seq.num_tokens for seq in prefills)
+        if len(prefills) == len(admitted):
+            return [], admitted, []
+        rows = self.scheduler.running
+        holders = {seq.prefix: slot for slot, seq in enumerate(rows[:num_decode])
+                   if seq.prefix is not None}
+        forks, followers, leaders = [], [], {}
+        for seq in admitted:
+            if seq.prompt_key is None or not seq.is_fresh:
+                continue
+            seq.prefix = key = (seq.prompt_key, self.version)
+            if key in holders:
+                forks.append((seq, holders[key]))
+            elif key in leaders:
+                followers.append((seq, leaders[key]))
+            else:
+                leaders[key] = seq
+                prefills.append(seq)
+                self.num_prefill_tokens += seq.num_tokens
+        self.num_prefix_lookups += len(forks) + len(followers) + len(leaders)
+        self.num_prefix_hits += len(forks) + len(followers)
+        self.num_prefill_tokens += len(forks)
+        rows[num_decode:] = [seq for seq, _ in forks] + prefills + [seq for seq, _ in followers]
+        if forks:
+            self.runner.kv.move(list(range(num_decode, num_decode + len(forks))),
+                                [donor for _, donor in forks],
+                                max(seq.num_prompt for seq, _ in forks) - 1)
+        slot_of = {id(seq): slot for slot, seq in enumerate(rows)}
+        return ([seq for seq, _ in forks], prefills,
+                [(slot_of[id(seq)], slot_of[id(lead)]) for seq, lead in followers])
 
     def _count_reprefill(self, admitted: list[Sequence], reprefill: int, num_decode: int,
                          seconds: float) -> None:
@@ -168,29 +297,37 @@ class Engine:
         for seq in admitted:
             seq.is_resumed = False
 
-    def _postprocess(self, rows: list[Sequence], tokens: list[int], logprobs: list[float]
-                     ) -> list[TokenDelta]:
-        deltas, finished = [], []
+    def _postprocess(self, rows: list[Sequence], tokens: list[list[int]],
+                     logprobs: list[list[float]]) -> list[TokenDelta]:
+        """Append each row's new tokens (one, or an accepted draft and a draw) up to the first
+        that finishes it."""
+        deltas, finished, num_new = [], [], 0
         eos, version = self.eos_token_id, self.version
-        for slot, (seq, token, logprob) in enumerate(zip(rows, tokens, logprobs)):
+        for slot, (seq, new, new_logprobs) in enumerate(zip(rows, tokens, logprobs)):
             request = seq.request
-            request.output_ids.append(token)
-            request.logprobs.append(logprob)
-            request.token_versions.append(version)
-            seq.num_tokens += 1
+            output, max_new = request.output_ids, request.params.max_new_tokens
             reason = None
-            if token == eos:
-                reason = "eos"
-            elif token in seq.stop_ids or (seq.stop_seqs and seq.stops_at_end(request.output_ids)):
-                reason = "stop"
-            elif len(request.output_ids) >= request.params.max_new_tokens:
-                reason = "length"
-            deltas.append(TokenDelta(request.request_id, [token], [logprob], reason))
+            for i, token in enumerate(new):
+                output.append(token)
+                if token == eos:
+                    reason = "eos"
+                elif token in seq.stop_ids or (seq.stop_seqs and seq.stops_at_end(output)):
+                    reason = "stop"
+                elif len(output) >= max_new:
+                    reason = "length"
+                if reason is not None:
+                    new, new_logprobs = new[:i + 1], new_logprobs[:i + 1]
+                    break
+            request.logprobs.extend(new_logprobs)
+            request.token_versions.extend([version] * len(new))
+            seq.num_tokens += len(new)
+            num_new += len(new)
+            deltas.append(TokenDelta(request.request_id, new, new_logprobs, reason))
             if reason is not None:
                 request.finish_reason = reason
                 del self._live[request.request_id]
                 finished.append(slot)
-        self.num_generated_tokens += len(tokens)
+        self.num_generated_tokens += num_new
         if finished:
             self._apply_moves(self.scheduler.remove_slots(finished))
         return deltas
@@ -238,7 +375,7 @@ class Engine:
         # host -> device through the staging buffer on a GPU; one copy_ per tensor on the CPU
         stage_copy(dst, src, self.staging)
         self.runner.refresh()
-        self.version = version
+        self.version = self.scheduler.version = version
 
     def close(self) -> None:
         """Nothing to free beyond what garbage collection does (the protocol's close)."""
@@ -248,4 +385,7 @@ class Engine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_used_tokens=self.scheduler.kv_used_tokens(),
             kv_capacity_tokens=self.kv_capacity_tokens,
-            num_generated_tokens=self.num_generated_tokens, version=self.version)
+            num_generated_tokens=self.num_generated_tokens, version=self.version,
+            num_drafted_tokens=self.num_drafted_tokens,
+            num_accepted_tokens=self.num_accepted_tokens, num_spec_steps=self.num_spec_steps,
+            num_prefix_lookups=self.num_prefix_lookups, num_prefix_hits=self.num_prefix_hits)

@@ -15,7 +15,8 @@ re-padded or concatenated. In the last layer only each row's last token goes on 
 prefill tokens just leave their keys and values), and logits are computed for those alone.
 
 Parts: `_LayerWeights` (references to the model's parameters, re-read by `refresh()`),
-`ModelRunner.run` (inputs → logits), `_decode_attention` / `_attention`, `_AttentionPlan` (the
+`ModelRunner.run` (inputs → logits), `ModelRunner.verify` (several tokens per decode row:
+speculative drafts checked in one pass, speculation.py), `_decode_attention` / `_attention`, `_AttentionPlan` (the
 per-step masks and indices every layer shares), `check_supported`. The maths mirrors
 `transformers`' Qwen2/Llama/Qwen3/Mistral modules op for op (RMSNorm in float32, rotary from
 the model's own rotary module), so greedy decoding matches `generate` token for token.
@@ -107,8 +108,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, decode_tokens: list[int], decode_positions: list[int],
-            prefill: list[list[int]]) -> torch.Tensor:
-        """Logits [n + m, vocab] for the last token of each decode row, then each prefill row."""
+            prefill: list[list[int]], first_slot: int = 0) -> torch.Tensor:
+        """Logits [n + m, vocab] for the last token of each decode row, then each prefill row.
+        Rows occupy slots first_slot.. (a step that verifies drafts prefills after them)."""
         n, m = len(decode_tokens), len(prefill)
         lengths = [len(ctx) for ctx in prefill]
         width = max(lengths, default=0)
@@ -156,12 +158,79 @@ class ModelRunner:
             q = q * q_cos + torch.roll(q, half, dims=-1) * q_sin
             k = k * cos + torch.roll(k, half, dims=-1) * sin
             k_cache, v_cache = self.kv.layer(index)
+            if first_slot:  # views: the rows' slots from 0
+                k_cache, v_cache = k_cache[first_slot:], v_cache[first_slot:]
             k_cache[slots, :, pos] = k
             v_cache[slots, :, pos] = v
             if index == final and last is not None:
                 out = self._decode_attention(q, k_cache, v_cache, attn.final_bias)
             else:
                 out = self._attention(q, k_cache, v_cache, attn)
+            x = x + F.linear(out, w.o, w.o_bias)
+            h = _rms_norm(x, w.ln2, self.eps)
+            h = self.act(F.linear(h, w.gate, w.gate_bias)) * F.linear(h, w.up, w.up_bias)
+            x = x + F.linear(h, w.down, w.down_bias)
+        return F.linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
+
+    @torch.inference_mode()
+    def verify(self, feeds: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Speculative verification: row i (slot i) feeds `feeds[i]` (its last token, then its
+        draft) at positions starts[i].. over its cached keys. Logits [sum(len(feed)), vocab]
+        for every fed token, row by row."""
+        lengths = [len(feed) for feed in feeds]
+        rows, width = len(feeds), max(lengths)
+        longest = max(s + n for s, n in zip(starts, lengths))
+        self.kv.reserve(longest)
+        cos_table, sin_table = self._rotary(longest)
+        dev = self.device
+        ids = torch.tensor([t for feed in feeds for t in feed], device=dev)
+        pos = torch.tensor([s + j for s, n in zip(starts, lengths) for j in range(n)], device=dev)
+        slots = torch.tensor([r for r, n in enumerate(lengths) for _ in range(n)], device=dev)
+        pad, valid, offset = [], [], 0
+        for row, n in enumerate(lengths):
+            pad.extend(offset + min(j, n - 1) for j in range(width))
+            valid.extend(row * width + j for j in range(n))
+            offset += n
+        pad_index = torch.tensor(pad, device=dev)
+        valid_index = torch.tensor(valid, device=dev)
+        # query (row, j) sees keys 0..starts[row] + j: [rows * kv_heads, width * group, longest]
+        keys = torch.arange(longest, device=dev)
+        last = (torch.tensor(starts, device=dev)[:, None]
+                + torch.arange(width, device=dev)[None, :])  # [rows, width]
+        bias = torch.zeros(rows, width, longest, dtype=self.dtype, device=dev)
+        bias.masked_fill_(keys[None, None, :] > last[:, :, None], float("-inf"))
+        bias = (bias[:, None, :, None, :]
+                .expand(rows, self.num_kv_heads, width, self.group, longest)
+                .reshape(rows * self.num_kv_heads, width * self.group, longest))
+
+        cos = cos_table[pos][:, None, :]
+        sin = sin_table[pos][:, None, :]
+        half = self.head_dim // 2
+        x = F.embedding(ids, self.embed)  # [T, hidden]
+        num_tokens = x.shape[0]
+        hkv, g, hd = self.num_kv_heads, self.group, self.head_dim
+        for index, w in enumerate(self.layers):
+            h = _rms_norm(x, w.ln1, self.eps)
+            q = F.linear(h, w.q, w.q_bias).view(num_tokens, self.num_heads, hd)
+            k = F.linear(h, w.k, w.k_bias).view(num_tokens, hkv, hd)
+            v = F.linear(h, w.v, w.v_bias).view(num_tokens, hkv, hd)
+            if w.q_norm is not None:
+                q = _rms_norm(q, w.q_norm, self.eps)
+                k = _rms_norm(k, w.k_norm, self.eps)
+            q = q * cos + torch.roll(q, half, dims=-1) * sin
+            k = k * cos + torch.roll(k, half, dims=-1) * sin
+            k_cache, v_cache = self.kv.layer(index)
+            k_cache[slots, :, pos] = k
+            v_cache[slots, :, pos] = v
+            # [rows, width, kv_heads, group, hd] -> [rows * kv_heads, width * group, hd]
+            qg = (q[pad_index].view(rows, width, hkv, g, hd).transpose(1, 2)
+                  .reshape(rows * hkv, width * g, hd))
+            k_all = k_cache[:rows, :, :longest].reshape(rows * hkv, longest, hd)
+            v_all = v_cache[:rows, :, :longest].reshape(rows * hkv, longest, hd)
+            scores = torch.baddbmm(bias, qg, k_all.transpose(1, 2), alpha=self.scale)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out = (torch.bmm(probs, v_all).view(rows, hkv, width, g, hd).transpose(1, 2)
+                   .reshape(rows * width, self.num_heads * hd)[valid_index])
             x = x + F.linear(out, w.o, w.o_bias)
             h = _rms_norm(x, w.ln2, self.eps)
             h = self.act(F.linear(h, w.gate, w.gate_bias)) * F.linear(h, w.up, w.up_bias)

@@ -12,6 +12,12 @@ waiting sequence needs its whole context (prompt + tokens already generated) at 
   context fits with room for its next token; nothing overtakes it. A step that preempts
   admits nobody.
 
+Shared prompts (sequence.py: `prefix`) are counted once: the oldest running holder of a prefix
+carries its tokens, the others only their own. Preempting newest first frees exactly what the
+plan subtracts (a prefix's tokens go with its last holder), and a fresh waiting sequence whose
+prompt a running sequence (or one ahead of it in the queue) holds costs only its own tokens:
+the engine forks it from that holder instead of prefilling it (engine.py).
+
 Running sequences sit in KV slots 0..n-1 without holes: `running[i]` is slot i. Removing
 sequences fills each hole with a survivor from the end (`compact`), and the caller copies
 those slots' KV once.
@@ -56,6 +62,40 @@ def compact(num_running: int, removed: Iterable[int]) -> list[tuple[int, int]]:
     return list(zip(holes, movers))
 
 
+def running_costs(running: Seq[Sequence]) -> list[int]:
+    """Tokens each running sequence needs this step (`num_tokens`: cache and next token), a
+    shared prefix charged to its first holder in `running` order only."""
+    held: set = set()
+    costs = []
+    for seq in running:
+        cost = seq.num_tokens
+        if seq.prefix is not None:
+            if seq.prefix in held:
+                cost -= seq.num_prompt
+            else:
+                held.add(seq.prefix)
+        costs.append(cost)
+    return costs
+
+
+def waiting_costs(running: Seq[Sequence], waiting: Iterable[Sequence], version: int) -> list[int]:
+    """Context lengths to prefill, in queue order; a fresh sequence whose prompt a running
+    sequence or an earlier waiting one will hold costs nothing (plan_step adds its next
+    token)."""
+    held = {seq.prefix for seq in running if seq.prefix is not None}
+    costs = []
+    for seq in waiting:
+        cost = seq.num_tokens
+        if seq.prompt_key is not None and seq.is_fresh:
+            key = (seq.prompt_key, version)
+            if key in held:
+                cost -= seq.num_prompt
+            else:
+                held.add(key)
+        costs.append(cost)
+    return costs
+
+
 class Scheduler:
     def __init__(self, max_batch_size: int, kv_capacity_tokens: int) -> None:
         self.max_batch_size = max_batch_size
@@ -63,29 +103,32 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preempted = 0
+        self.version = 0  # weight version a prefix shared from now on is keyed with
         self._admissions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def kv_used_tokens(self) -> int:
-        return sum(seq.num_tokens for seq in self.running) - len(self.running)
+        """Real tokens in the KV cache, a shared prompt counted once."""
+        return sum(running_costs(self.running)) - len(self.running)
 
     def schedule(self) -> tuple[list[Sequence], list[tuple[int, int]]]:
         """Preempt or admit for the coming step. Returns (admitted sequences, now in the last
         slots; slot moves (dst, src) the caller must apply to the KV buffer first)."""
-        running_tokens = sum(seq.num_tokens for seq in self.running)
-        if running_tokens <= self.kv_capacity_tokens and (
-                not self.waiting or len(self.running) >= self.max_batch_size):
-            return [], []  # the common decode-only step: skip the sort and the plan
+        if not self.waiting or len(self.running) >= self.max_batch_size:
+            if sum(running_costs(self.running)) <= self.kv_capacity_tokens:
+                return [], []  # the common decode-only step: skip the sort and the plan
         by_age = sorted(self.running, key=lambda seq: seq.admitted_at)
         num_preempt, num_admit = plan_step(
-            [seq.num_tokens for seq in by_age], [seq.num_tokens for seq in self.waiting],
+            running_costs(by_age), waiting_costs(by_age, self.waiting, self.version),
             self.kv_capacity_tokens, self.max_batch_size)
         moves: list[tuple[int, int]] = []
         if num_preempt:
             victims = by_age[-num_preempt:]
             moves = self.remove(victims)
+            for seq in victims:
+                seq.prefix = None  # re-admitted with tokens generated: a full re-prefill
             self.waiting.extendleft(reversed(victims))  # oldest victim ends up first
             self.num_preempted += num_preempt
         admitted = [self.waiting.popleft() for _ in range(num_admit)]

@@ -43,6 +43,7 @@ class RolloutActivity:
         now = time.monotonic()
         wall, self.last_t = now - self.last_t, now
         gen, idle, pulls, pull_s, gen_by = 0, 0.0, 0, 0.0, {}
+        drafted = accepted = spec_steps = lookups = hits = 0
         for w, s in snaps.items():
             c, prev = s.counters, self.last_counters.get(w)
             if prev is not None:
@@ -51,6 +52,11 @@ class RolloutActivity:
                 idle += c.idle_s - prev.idle_s
                 pulls += c.pulls - prev.pulls
                 pull_s += c.pull_s - prev.pull_s
+                drafted += c.spec_drafted_tokens - prev.spec_drafted_tokens
+                accepted += c.spec_accepted_tokens - prev.spec_accepted_tokens
+                spec_steps += c.spec_steps - prev.spec_steps
+                lookups += c.prefix_lookups - prev.prefix_lookups
+                hits += c.prefix_hits - prev.prefix_hits
             self.last_counters[w] = c
         kv_all = [v for samples in self.kv_samples.values() for v in samples]
         fields = {
@@ -60,6 +66,10 @@ class RolloutActivity:
             "kv_util_mean": float(np.mean(kv_all)) if kv_all else 0.0,
             "kv_util_by_rollout": {w: float(np.mean(v)) for w, v in self.kv_samples.items() if v},
             "pulls": pulls, "pull_latency_s": pull_s / pulls if pulls else None,
+            "spec_acceptance_rate": accepted / drafted if drafted else None,
+            "spec_drafted_per_step": drafted / spec_steps if spec_steps else None,
+            "spec_accepted_per_step": accepted / spec_steps if spec_steps else None,
+            "prefix_hit_rate": hits / lookups if lookups else None,
             "repacks": manager["repacks"], "moved_trajectories": manager["moved_trajectories"],
             "env_latency_s": evenly(self.env_latency, 64),
             "turns": evenly(self.turns, 64),

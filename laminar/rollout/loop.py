@@ -326,6 +326,11 @@ class RolloutLoop:
     def snapshot(self) -> RolloutSnapshot:
         with self.lock:
             stats = self.engine.stats()
+            c = self.counters
+            c.spec_drafted_tokens, c.spec_accepted_tokens = (stats.num_drafted_tokens,
+                                                             stats.num_accepted_tokens)
+            c.spec_steps = stats.num_spec_steps
+            c.prefix_lookups, c.prefix_hits = stats.num_prefix_lookups, stats.num_prefix_hits
             self.counters.reward_errors = self.finisher.reward_errors
             self.counters.failed_by_reason = dict(self.finisher.failed_by_reason)
             if self.finisher.episodes is not None:

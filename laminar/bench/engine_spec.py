@@ -1,0 +1,255 @@
+"""`laminar bench engine --spec`: the native engine's shared group prefixes and speculative
+decoding, each against the same engine without it, in one run.
+
+    laminar bench engine --spec [--quick] [--out FILE]
+
+Speculation (`rollout.engine.speculation`): the model is `laminar bench modes`' warm start (the
+tiny preset after its SFT, cached under `sft.cache_dir`; trained here once if missing), on the
+modes workload's prompts: reverse-task prompts, groups of 8 samples (temperature and budget of
+that workload, the real EOS), `--groups` groups submitted at once to an engine of the
+workload's batch and KV sizes, for two epochs on the same engine (the second epoch's prompts
+are the first's: a prompt comes back epoch after epoch; new seeds). The variants run the
+identical requests (same seeds, so the same tokens: checked) with speculation off and on,
+alternating, `repeats` times; medians compared.
+- `speculation_gain`: generated tokens/s with / without, over both epochs; per epoch beside
+  (`speculation_gain_by_epoch`);
+- `speculation_tail_speedup`: the time from the moment 95% of an epoch's requests finished to
+  its last finish (the slowest 5%), without / with, the median over epochs and repeats; in
+  CPU time beside (`speculation_tail_speedup_cpu`), as `speculation_gain_cpu` is beside the
+  wall-clock gain: the wall clock of a shared machine is noisy at these durations;
+- `acceptance_rate`: accepted / drafted tokens, with `drafted_per_step`, `accepted_per_step`;
+- `verify_cost_ms`: the cost of a verification forward vs batch and draft length, on the same
+  model (the CPU side of the trade).
+
+Shared prefixes (no EOS: every request generates its drawn length, so the variants do the
+same work on a random-init tiny model):
+- `prefix_prefill_ratio`: prefill tokens computed per group of 8, shared / unshared, on the
+  reverse workload;
+- `prefix_long_prompt_gain`: tokens/s shared / unshared on prompts of 256 tokens with 48-token
+  responses (prompts >= 4x responses), groups of 8.
+
+One torch thread, as `laminar bench engine`. The machine is shared: ratios, not times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from laminar.config import load_config
+from laminar.engine import Engine
+from laminar.models import BOS_ID, EOS_ID, PAD_ID, build_preset, load_pretrained
+from laminar.models.tokenizer import build_char_tokenizer, encode_prompt
+from laminar.provenance import provenance
+from laminar.tasks import build_task
+from laminar.types import GenerationRequest, SamplingParams
+
+THREADS = 1
+GROUP_SIZE = 8
+SPECULATION = 4  # the drafted tokens per sequence and step measured
+
+
+def warm_start():
+    """The modes benchmark's warm-started model and config (cached SFT)."""
+    from laminar.bench.modes import WORKLOAD  # the one place its settings live
+    from laminar.trainer.sft import run_sft
+
+    cfg = load_config(None, WORKLOAD)
+    model, _ = load_pretrained(run_sft(cfg))
+    return model.eval(), cfg
+
+
+def reverse_prompts(cfg, num_groups: int) -> list[list[int]]:
+    tokenizer = build_char_tokenizer()
+    items = build_task(cfg.task).train[:num_groups]
+    return [encode_prompt(tokenizer, item.prompt) for item in items]
+
+
+def run_epochs(model, prompts: list[list[int]], params: SamplingParams, engine_kw: dict,
+               epochs: int) -> dict:
+    """Both epochs on one engine: per epoch, seconds, tokens, tail seconds; the outputs."""
+    engine = Engine(model, EOS_ID, PAD_ID, **engine_kw)
+    out = dict(seconds=[], cpu_seconds=[], tokens=[], tail_s=[], tail_cpu_s=[], outputs=[])
+    for epoch in range(epochs):
+        reqs = [GenerationRequest(f"e{epoch}g{j}s{i}", list(p),
+                                  dataclasses.replace(params, seed=epoch * 10**6 + j * 100 + i))
+                for j, p in enumerate(prompts) for i in range(GROUP_SIZE)]
+        for req in reqs:
+            engine.add(req)
+        finished, start, cpu_start = [], time.perf_counter(), time.process_time()
+        while engine.has_unfinished():
+            for delta in engine.step():
+                if delta.finish_reason is not None:
+                    finished.append((time.perf_counter() - start,
+                                     time.process_time() - cpu_start))
+        seconds = time.perf_counter() - start
+        cpu_seconds = time.process_time() - cpu_start
+        out["cpu_seconds"].append(cpu_seconds)
+        finished.sort()
+        out["seconds"].append(seconds)
+        out["tokens"].append(sum(len(r.output_ids) for r in reqs))
+        at_95 = finished[int(0.95 * len(finished)) - 1]
+        out["tail_s"].append(seconds - at_95[0])
+        out["tail_cpu_s"].append(cpu_seconds - at_95[1])
+        out["outputs"].append([r.output_ids for r in reqs])
+    out.update(drafted=engine.num_drafted_tokens, accepted=engine.num_accepted_tokens,
+               spec_steps=engine.num_spec_steps, prefill_tokens=engine.num_prefill_tokens)
+    return out
+
+
+def bench_speculation(num_groups: int, repeats: int) -> dict:
+    model, cfg = warm_start()
+    prompts = reverse_prompts(cfg, num_groups)
+    r = cfg.rollout
+    params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                            max_new_tokens=r.max_new_tokens)
+    kw = dict(max_batch_size=r.engine.max_batch_size, kv_capacity_tokens=r.engine.kv_capacity_tokens)
+    run_epochs(model, prompts[:2], params, kw, 1)  # warm
+    plain_runs, spec_runs = [], []
+    for _ in range(repeats):
+        plain_runs.append(run_epochs(model, prompts, params, kw, 2))
+        spec_runs.append(run_epochs(model, prompts, params, {**kw, "speculation": SPECULATION}, 2))
+    for p, s in zip(plain_runs, spec_runs):
+        if p["outputs"] != s["outputs"]:
+            raise AssertionError("speculation changed the sampled tokens")
+    tokens = sum(plain_runs[0]["tokens"])
+
+    def median(runs, key, epoch=None):
+        return statistics.median(sum(x[key]) if epoch is None else x[key][epoch] for x in runs)
+
+    gain = median(plain_runs, "seconds") / median(spec_runs, "seconds")
+    by_epoch = [median(plain_runs, "seconds", e) / median(spec_runs, "seconds", e) for e in (0, 1)]
+    tails = [p["tail_s"][e] / s["tail_s"][e] for p, s in zip(plain_runs, spec_runs) for e in (0, 1)]
+    tails_cpu = [p["tail_cpu_s"][e] / s["tail_cpu_s"][e]
+                 for p, s in zip(plain_runs, spec_runs) for e in (0, 1)]
+    s0 = spec_runs[0]
+    lengths = sorted(len(o) for o in plain_runs[0]["outputs"][0])
+    return dict(
+        num_groups=num_groups, group_size=GROUP_SIZE, speculation=SPECULATION, repeats=repeats,
+        max_batch_size=kw["max_batch_size"], kv_capacity_tokens=kw["kv_capacity_tokens"],
+        temperature=params.temperature, max_new_tokens=params.max_new_tokens,
+        generated_tokens=tokens,
+        response_len_p50=lengths[len(lengths) // 2], response_len_max=lengths[-1],
+        plain_tokens_per_s=tokens / median(plain_runs, "seconds"),
+        spec_tokens_per_s=tokens / median(spec_runs, "seconds"),
+        speculation_gain=gain, speculation_gain_by_epoch=by_epoch,
+        speculation_gain_cpu=median(plain_runs, "cpu_seconds") / median(spec_runs, "cpu_seconds"),
+        speculation_tail_speedup=statistics.median(tails),
+        speculation_tail_speedup_cpu=statistics.median(tails_cpu),
+        tail_s_plain_by_epoch=[median(plain_runs, "tail_s", e) for e in (0, 1)],
+        tail_s_spec_by_epoch=[median(spec_runs, "tail_s", e) for e in (0, 1)],
+        acceptance_rate=s0["accepted"] / max(s0["drafted"], 1),
+        drafted_per_step=s0["drafted"] / max(s0["spec_steps"], 1),
+        accepted_per_step=s0["accepted"] / max(s0["spec_steps"], 1),
+        verify_cost_ms=verify_cost(model))
+
+
+def verify_cost(model, batches=(1, 8, 32, 64), drafts=(0, 2, 4), steps: int = 12) -> dict:
+    """Median wall ms of one forward with `batch` rows of 1 + draft tokens each."""
+    out = {}
+    for batch in batches:
+        engine = Engine(model, 10**6, PAD_ID, max_batch_size=batch)
+        params = SamplingParams(temperature=1.0, max_new_tokens=64)
+        for i in range(batch):
+            engine.add(GenerationRequest(f"v{i}", [BOS_ID] + [10 + (i + j) % 60 for j in range(20)],
+                                         params))
+        for _ in range(4):
+            engine.step()
+        starts = [seq.num_tokens - 1 for seq in engine.scheduler.running]
+        for k in drafts:
+            feeds = [[11] * (k + 1) for _ in range(batch)]
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                engine.runner.verify(feeds, starts)
+                times.append(time.perf_counter() - t0)
+            out[f"b{batch}_k{k}"] = 1000 * statistics.median(times)
+    return out
+
+
+def group_workload(prompt_len: int, num_new: int, num_groups: int, seed: int = 0
+                   ) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([BOS_ID] + [rng.randrange(4, 100) for _ in range(prompt_len - 1)], num_new)
+            for _ in range(num_groups)]
+
+
+def run_groups(model, groups: list[tuple[list[int], int]], share: bool, max_batch: int) -> dict:
+    engine = Engine(model, 10**6, PAD_ID, max_batch_size=max_batch, share_prefixes=share)
+    reqs = [GenerationRequest(f"g{j}s{i}", list(p), SamplingParams(max_new_tokens=n, seed=i))
+            for j, (p, n) in enumerate(groups) for i in range(GROUP_SIZE)]
+    start, cpu_start = time.perf_counter(), time.process_time()
+    engine.generate(reqs)
+    return dict(seconds=time.perf_counter() - start, cpu_seconds=time.process_time() - cpu_start,
+                prefill_tokens=engine.num_prefill_tokens,
+                tokens=sum(len(r.output_ids) for r in reqs))
+
+
+def bench_prefix(num_groups: int, repeats: int) -> dict:
+    model = build_preset("tiny", seed=0).eval()
+    cfg = load_config(None, [])
+    reverse = [(p, 16) for p in reverse_prompts(cfg, num_groups)]
+    shared = run_groups(model, reverse, True, 64)
+    plain = run_groups(model, reverse, False, 64)
+    long = group_workload(256, 48, num_groups)
+    run_groups(model, long[:2], True, 64)  # warm
+    runs = {True: [], False: []}
+    for _ in range(repeats):
+        for share in (False, True):
+            runs[share].append(run_groups(model, long, share, 64))
+    return dict(
+        prefix_prefill_ratio=shared["prefill_tokens"] / plain["prefill_tokens"],
+        prefill_tokens_per_group_shared=shared["prefill_tokens"] / num_groups,
+        prefill_tokens_per_group_unshared=plain["prefill_tokens"] / num_groups,
+        prefix_long_prompt_gain=median_ratio(runs, "seconds"),
+        prefix_long_prompt_gain_cpu=median_ratio(runs, "cpu_seconds"),
+        long_prompt_tokens=256, long_response_tokens=48)
+
+
+def median_ratio(runs: dict, key: str) -> float:
+    return (statistics.median(r[key] for r in runs[False])
+            / statistics.median(r[key] for r in runs[True]))
+
+
+def main(quick: bool = False, out: str | None = None) -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    load_before = os.getloadavg()[0]
+    sizes = dict(num_groups=16, repeats=1) if quick else dict(num_groups=64, repeats=5)
+    try:
+        result = {**bench_speculation(**sizes), **bench_prefix(**sizes)}
+    finally:
+        torch.set_num_threads(threads)
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    result.update(threads=THREADS, load_average_before_after=load,
+                  targets={"speculation_gain": 1.5, "speculation_tail_speedup": 1.5,
+                           "prefix_prefill_ratio_max": 1 / 6, "prefix_long_prompt_gain": 1.3},
+                  provenance=provenance({"quick": quick, **sizes, "threads": THREADS,
+                                         "speculation": SPECULATION}))
+    print_report(result)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def print_report(r: dict) -> None:
+    print(f"speculation (k={r['speculation']}), {r['num_groups']} groups x {r['group_size']}, "
+          f"2 epochs, {r['generated_tokens']} tokens: gain {r['speculation_gain']:.2f}x "
+          f"(by epoch {', '.join(f'{g:.2f}x' for g in r['speculation_gain_by_epoch'])}), tail "
+          f"speedup {r['speculation_tail_speedup']:.2f}x (CPU time: gain "
+          f"{r['speculation_gain_cpu']:.2f}x, tail {r['speculation_tail_speedup_cpu']:.2f}x), acceptance {r['acceptance_rate']:.2f}, "
+          f"drafted/accepted per step {r['drafted_per_step']:.1f}/{r['accepted_per_step']:.1f}")
+    print("verify forward ms (batch, draft):",
+          ", ".join(f"{k} {v:.2f}" for k, v in r["verify_cost_ms"].items()))
+    print(f"shared prefixes: prefill ratio {r['prefix_prefill_ratio']:.3f} (target <= 0.167), "
+          f"long-prompt gain {r['prefix_long_prompt_gain']:.2f}x (CPU time "
+          f"{r['prefix_long_prompt_gain_cpu']:.2f}x; target 1.3x)")
+    print(f"load average (1 min) before/after: {r['load_average_before_after']}")
