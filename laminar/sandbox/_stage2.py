@@ -127,18 +127,30 @@ def _init(child, rep):
         os._exit(0)
 
 
-def _main():
-    spec = marshal.loads(bytes.fromhex(sys.argv[1]))
-    ctl = spec["ctl"]
+def _main(spec):
+    """The whole one-shot stage 2: drop, limits, seccomp, the init's fork, the program."""
     if spec.get("drop"):
         uid, gid = spec["drop"]
         os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
+    confine(spec)
+    program(spec["ctl"], spec.get("rep"))
+
+
+def confine(spec):
+    """The nice level, the rlimits, then the seccomp filter (in this order: setpriority and
+    setrlimit stay allowed, but nothing is left to do after the filter)."""
+    if spec.get("nice"):
+        os.nice(spec["nice"])
     _limits(spec["limits"])
     if spec.get("seccomp", True):
         _seccomp()
-    rep = spec.get("rep")
+
+
+def program(ctl, rep):
+    """With `rep`: fork, the parent staying as the init. Then say R, read the code, run it,
+    end (never returns)."""
     if rep is not None:
         _dumpable(0)  # before the fork: the init is never ptrace-able nor its /proc/1/fd open
         child = os.fork()
@@ -237,4 +249,6 @@ def _finish(status):
     os._exit(status)
 
 
-_main()
+
+if __name__ == "__main__":  # the one-shot path: `python -I -S -c <this> SPEC`
+    _main(marshal.loads(bytes.fromhex(sys.argv[1])))
