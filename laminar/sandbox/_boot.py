@@ -401,7 +401,8 @@ def main():
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if plan.get("pdeathsig", True):
+            prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != plan["host_pid"]:
             os._exit(1)  # the host is already gone
         flags = (CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
@@ -422,6 +423,8 @@ def main():
         init(plan, ctl, rep)
     child = pid
     os.close(ctl)
+    if plan.get("zygote") is not None:
+        os.close(plan["zygote"])  # the zygote's death must close its socket at once
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # only the sandbox holds the code and output pipes
         os.dup2(null, fd)

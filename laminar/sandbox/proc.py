@@ -573,6 +573,15 @@ class SandboxProc:
         return rc
 
     # ------------------------------------------------------------------ end
+    def _forget(self) -> None:
+        """In a forked child: close our copies of the descriptors, never kill (the parent's)."""
+        for fd in self._fds + ([self.pidfd] if self.pidfd is not None else []):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds, self.pidfd, self.popen, self._done, self.scratch = [], None, None, True, None
+
     def kill(self) -> None:
         """End the sandbox and everything it started; reap; close the pipes. Idempotent."""
         with self._lock:
@@ -637,12 +646,7 @@ def _forget_after_fork() -> None:
     """In a forked child: drop (never kill) the parent's sandboxes and close our copies of
     their pipes, so that the parent's runs see their pipes end as if we did not exist."""
     for p in list(_procs):
-        for fd in p._fds + ([p.pidfd] if p.pidfd is not None else []):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        p._fds, p.pidfd, p.popen, p._done, p.scratch = [], None, None, True, None
+        p._forget()
     _procs.clear()
 
 

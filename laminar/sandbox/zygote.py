@@ -71,7 +71,10 @@ class Zygote(SandboxProc):
             self._close(self._far)
 
     def _plan_extra(self) -> dict:
-        return {"zygote": self._far}
+        # No parent-death signal for its outer process: it would end the zygote with the host
+        # thread that happened to start it. The zygote ends when the host's socket closes
+        # (the host's exit too), after killing the programs whose life pipe closed with it.
+        return {"zygote": self._far, "pdeathsig": False}
 
     def _fds_to_pass(self) -> list[int]:
         return [self._far]
@@ -93,8 +96,16 @@ class Zygote(SandboxProc):
         return self._pid
 
     def alive(self) -> bool:
-        """Ready for requests: started, not retired, and its processes have not ended."""
-        return self.sock is not None and not self._done and not self._exited()
+        """Ready for requests: started, not retired, its socket not hung up (the zygote's death
+        closes its end at once) and its outer process not ended."""
+        sock = self.sock
+        if sock is None or self._done:
+            return False
+        p = select.poll()
+        p.register(sock, select.POLLIN)  # POLLHUP / POLLERR are always reported
+        if any(ev & (select.POLLHUP | select.POLLERR) for _, ev in p.poll(0)):
+            return False
+        return not self._exited()
 
     def cpu_s(self) -> float:
         """CPU-seconds of the zygote and of every program it has reaped (user + system)."""
@@ -138,6 +149,12 @@ class Zygote(SandboxProc):
         if self.popen is not None:
             self.popen.wait()
         self.kill()
+
+    def _forget(self) -> None:
+        if self.sock is not None:
+            self.sock.close()  # our copy only: the parent's zygote keeps serving the parent
+            self.sock = None
+        super()._forget()
 
     def kill(self) -> None:
         with self._send_lock:
@@ -188,9 +205,16 @@ class ZygoteProc(SandboxProc):
 
     def _run(self, code: str, timeout_s: float) -> RunResult:
         r = super()._run(code, timeout_s)
-        if r.status == "killed" and r.exit_code is None and not self.zygote.alive():
-            r.error = "the sandbox zygote ended during the run, and the program with it"
+        if r.status == "killed" and not self._rep.strip():
+            # the zygote reports every end of a program it started (W), killed or not:
+            # nothing on rep means the zygote itself died and took the program with it
+            raise SandboxError("the sandbox zygote ended during the run")
         return r
+
+    def _failure(self) -> str:
+        why = super()._failure()
+        return ("the sandbox zygote ended before the program started"
+                if why == "did not start" else why)
 
     def kill(self) -> None:
         """Close life (the program's outer process then SIGKILLs its init, which ends the
