@@ -66,14 +66,20 @@ _DENY = {
 _CLONE_NEW = 0x7E020080  # CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET|NEWTIME
 
 
-def _seccomp():
-    """Install the filter; False where this architecture has none here."""
+def _filter():
+    """The seccomp program as (ctypes library, sock_fprog, its buffer), or None where this
+    architecture has no filter here. Built once per interpreter: the zygote builds it before it
+    forks, so that no program's process pays for it (nor copies the pages it would touch)."""
+    global _FILTER
+    if _FILTER is not False:
+        return _FILTER
     import ctypes
     import struct
 
     spec = _DENY.get(os.uname().machine)
     if spec is None:
-        return False
+        _FILTER = None
+        return None
     arch, clone, clone3, deny = spec
     ld, jeq, jset, jge, ret = 0x20, 0x15, 0x45, 0x35, 0x06
     allow, kill = 0x7FFF0000, 0x80000000
@@ -93,17 +99,49 @@ def _seccomp():
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     fprog = Fprog(len(prog), ctypes.addressof(buf))
-    libc = ctypes.CDLL(None, use_errno=True)
+    _FILTER = (_libc(), ctypes.byref(fprog), fprog, buf)
+    return _FILTER
+
+
+_FILTER = False  # not built yet
+
+
+def _seccomp():
+    """Install the filter; False where this architecture has none here."""
+    import ctypes
+
+    f = _filter()
+    if f is None:
+        return False
+    libc, ref = f[0], f[1]
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS (bwrap and _boot set it too)
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-    if libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:  # PR_SET_SECCOMP, MODE_FILTER
+    if libc.prctl(22, 2, ref, 0, 0) != 0:  # PR_SET_SECCOMP, MODE_FILTER
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
     return True
 
 
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.prctl  # noqa: B018 - resolve the symbol now (in the zygote: before any fork)
+    return _LIBC
+
+
+_LIBC = None
+
+
+def prepare():
+    """Everything a program's process would otherwise build for itself (the zygote calls it
+    before it forks)."""
+    _filter()
+    _libc()
+
+
 def _dumpable(flag):
-    import ctypes
-    if ctypes.CDLL(None).prctl(4, flag, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+    if _libc().prctl(4, flag, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
         raise OSError("prctl(PR_SET_DUMPABLE) failed")
 
 
