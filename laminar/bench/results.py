@@ -71,7 +71,16 @@ def headline(data: dict[str, Any]) -> str:
         return _trainer(data)
     if "push_bytes_by_variant" in data:
         return _lora(data)
+    if data.get("benchmark") == "sandbox" and "ratio" in data["rows"]["sandbox CPU ms / call"]:
+        return _sandbox(data["rows"])
     return "—"
+
+
+def _sandbox(rows: dict[str, Any]) -> str:
+    cpu, warm = rows["sandbox CPU ms / call"], rows["warm (ready) median ms"]
+    return (f"print(1) zygote vs one-shot: sandbox CPU per call {cpu['ratio']:.2f}x "
+            f"({cpu['zygote']:.2f} vs {cpu['oneshot']:.1f} ms), warm latency median "
+            f"{warm['ratio']:.2f}x, cold median {rows['cold median ms']['ratio']:.2f}x")
 
 
 def _lora(d: dict[str, Any]) -> str:

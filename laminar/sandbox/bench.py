@@ -2,7 +2,9 @@
 its own sandbox: two interpreters) and `zygote` (forked by a warm zygote; unshare only), in one
 run, as ratios zygote / oneshot.
 
-    python -m laminar.sandbox.bench [--backend unshare] [-n 200] [--repeats 2] [--out FILE]
+    python -m laminar.sandbox.bench [--backend unshare] [--paths oneshot,zygote] [-n 200]
+                                    [--repeats 2] [--out FILE]
+    python -m laminar.sandbox.bench --backend bwrap --paths oneshot    # bwrap has no zygote
 
 Per path and repeat:
   warm (ready)         latency with a ready sandbox waiting (the pool refilled between calls);
@@ -115,42 +117,48 @@ ROWS = [("warm (ready) median ms", "warm_ready_ms", "median"),
         ("host CPU ms / call", "host_cpu_ms_per_call", "mean")]
 
 
-def report(repeats: list[dict]) -> dict:
-    """Per row: each path's median over repeats and the zygote / oneshot ratio, paired per
-    repeat (the median of the per-repeat ratios)."""
+def report(repeats: list[dict], paths: list[str]) -> dict:
+    """Per row: each path's median over repeats and, with both paths, the zygote / oneshot
+    ratio paired per repeat (the median of the per-repeat ratios)."""
     rows = {}
     for label, key, stat in ROWS:
-        vals = {p: [r[p][key][stat] for r in repeats] for p in ("oneshot", "zygote")}
-        ratios = [z / o for z, o in zip(vals["zygote"], vals["oneshot"]) if o > 0]
-        rows[label] = {"oneshot": statistics.median(vals["oneshot"]),
-                       "zygote": statistics.median(vals["zygote"]),
-                       "ratio": statistics.median(ratios) if ratios else None,
-                       "ratios": ratios}
+        vals = {p: [r[p][key][stat] for r in repeats] for p in paths}
+        row = {p: statistics.median(v) for p, v in vals.items()}
+        if len(paths) == 2:
+            row["ratios"] = [z / o for z, o in zip(vals["zygote"], vals["oneshot"]) if o > 0]
+            row["ratio"] = statistics.median(row["ratios"]) if row["ratios"] else None
+        rows[label] = row
     return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="unshare", help="the zygote path needs unshare")
+    ap.add_argument("--paths", default="oneshot,zygote", help="oneshot, zygote or both")
     ap.add_argument("-n", type=int, default=200, help="warm calls per path and repeat")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", help="write the rows as JSON (with provenance)")
     a = ap.parse_args(argv)
+    paths = [p for p in ("oneshot", "zygote") if p in a.paths.split(",")]
+    if not paths:
+        raise SystemExit(f"--paths {a.paths!r}: give oneshot, zygote or oneshot,zygote")
     repeats = []
     for i in range(a.repeats):
-        order = ("oneshot", "zygote") if i % 2 == 0 else ("zygote", "oneshot")
+        order = paths if i % 2 == 0 else paths[::-1]
         repeats.append({p: measure(p, a.backend, a.n) for p in order})
-    rows = report(repeats)
+    rows = report(repeats, paths)
     print(f"backend {a.backend}, {a.n} warm calls per path, {a.repeats} repeats "
           "(medians over repeats; ratio = zygote / oneshot, paired per repeat)")
-    print(f"{'':26}{'oneshot':>10}{'zygote':>10}{'ratio':>9}")
+    head = "".join(f"{p:>10}" for p in paths)
+    print(f"{'':26}{head}" + ("    ratio" if len(paths) == 2 else ""))
     for label, row in rows.items():
-        ratio = f"{row['ratio']:8.2f}x" if row["ratio"] is not None else "       -"
-        print(f"{label:26}{row['oneshot']:10.2f}{row['zygote']:10.2f}{ratio}")
+        ratio = "" if len(paths) < 2 else (
+            f"{row['ratio']:8.2f}x" if row["ratio"] is not None else "       -")
+        print(f"{label:26}" + "".join(f"{row[p]:10.2f}" for p in paths) + ratio)
     result = {"benchmark": "sandbox", "backend": a.backend, "code": CODE, "n": a.n,
-              "rows": rows, "repeats": repeats}
+              "paths": paths, "rows": rows, "repeats": repeats}
     if a.out:
-        result["provenance"] = provenance({"backend": a.backend, "n": a.n,
+        result["provenance"] = provenance({"backend": a.backend, "paths": paths, "n": a.n,
                                            "repeats": a.repeats})
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     return result
