@@ -214,6 +214,11 @@ def init(plan, ctl, rep):
 # math: every shared library the zygote maps makes each fork and exit dearer (~0.7 ms per call
 # for json, decimal, statistics and the like on a 2-core VM).
 PRELOAD = ("math", "re", "collections", "functools", "itertools", "operator", "string")
+# What the zygote and a program's init (before its uid drop) use: signalling an init that runs
+# under the program's uid, the uid and group changes, namespaces and mounts. Nothing else, in
+# any set, bounding set included.
+ZYGOTE_CAPS = (5, 6, 7, 21)  # CAP_KILL, CAP_SETGID, CAP_SETUID, CAP_SYS_ADMIN
+PR_CAPBSET_DROP = 24
 PER_PROGRAM = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS  # + a pid namespace
 
 
@@ -252,6 +257,7 @@ def zygote(plan, ctl, rep, sock_fd):
     for fd, to in zip(high, (3, 4, 5, 6)):
         os.dup2(fd, to, inheritable=False)
     os.closerange(7, 1 << 16)
+    keep_capabilities(ZYGOTE_CAPS)
     sock = socket.socket(fileno=5)
     gc.freeze()  # the forks' garbage collector then leaves the zygote's objects (and pages) alone
     os.write(3, b"R\n")
@@ -387,6 +393,22 @@ _CAP_NONE = (_CapData * 2)()
 def drop_capabilities():
     """Empty effective, permitted and inheritable sets (capset, version 3)."""
     _check(libc.capset(ctypes.byref(_CAP_HEADER), _CAP_NONE), "capset")
+
+
+def keep_capabilities(caps):
+    """Drop every capability but `caps` from the bounding set, then keep only `caps` as
+    effective and permitted (none inheritable)."""
+    for cap in range(64):
+        if cap in caps:
+            continue
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            if ctypes.get_errno() == 22:  # EINVAL: past the kernel's last capability
+                break
+            _check(-1, f"prctl(PR_CAPBSET_DROP, {cap})")
+    mask = sum(1 << cap for cap in caps)
+    data = (_CapData * 2)()
+    data[0].effective = data[0].permitted = mask
+    _check(libc.capset(ctypes.byref(_CAP_HEADER), data), "capset")
 
 
 def main():
