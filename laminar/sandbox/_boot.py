@@ -28,6 +28,11 @@ The init (pid 1), still privileged inside its namespaces, builds the root and dr
   - closes every descriptor but 0, 1, 2, CTL (moved to 3) and REP (4), and execs the plan's
     Python on the stage-2 program with a clean environment (`_stage2.py`: rlimits, then a fork:
     the program runs as pid 2, the stage-2 parent stays pid 1 and reports its end on REP).
+
+With `zygote` in the plan (sandbox.zygote, laminar/sandbox/zygote.py) the init does not drop
+privilege nor exec: it becomes the zygote (`zygote`), which keeps four capabilities, imports
+stage 2 once and forks each program's init (`start_program`, `program_init`) into namespaces,
+a /proc, a /tmp and a uid of its own, then runs stage 2's steps in that fork.
 """
 import ctypes
 import marshal

@@ -17,6 +17,8 @@ Backends:
            keeps only CAP_SETUID/CAP_SETGID, which stage 2 uses to drop to the sandbox's uid
            before anything else; otherwise bwrap's user namespace maps the sandbox to the host
            user.
+  unshare with sandbox.zygote (the default): `zygote.py` subclasses this class twice, for the
+           zygote's own sandbox and for each program it forks.
   unsafe:  stage 2 as a plain subprocess (new session, clean environment, rlimits, a temporary
            scratch directory as cwd; a separate uid when the host is root and the interpreter is
            reachable by it). No filesystem or network isolation.
