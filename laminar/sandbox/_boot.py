@@ -8,7 +8,9 @@ sandbox: `R` ready, `E <line>` the program's exception, `F <why>` set-up failed)
 status>` the program's end as its init saw it, `W <wait status>` the init's end).
 
 The outer process (this one, in the host's namespaces):
-  1. PR_SET_PDEATHSIG(SIGTERM): it ends with the host thread that started it;
+  0. the plan's nice increment (sandbox.nice), inherited by everything below;
+  1. PR_SET_PDEATHSIG(SIGTERM): it ends with the host thread that started it (not for a
+     zygote, which ends with its socket);
   2. unshare(mount, pid, net, ipc, uts, cgroup [+ user when not root]);
   3. forks the sandbox's init (pid 1 of the new pid namespace), reports its pid, waits for it
      and reports its wait status. SIGTERM makes it SIGKILL the init first, which kills every
@@ -200,8 +202,7 @@ def init(plan, ctl, rep):
         os.set_inheritable(3, True)  # dup2(fd, fd) when dup() gave 3 or 4 keeps FD_CLOEXEC
         os.set_inheritable(4, True)
         os.closerange(5, 1 << 16)
-        spec = {"ctl": 3, "rep": 4, "limits": plan["limits"], "drop": None,
-                "nice": plan["nice"]}
+        spec = {"ctl": 3, "rep": 4, "limits": plan["limits"], "drop": None}
         exe = plan["python"]
         os.execve(exe, [exe, "-I", "-S", "-c", plan["stage2"], marshal.dumps(spec).hex()],
                   plan["env"])
@@ -249,8 +250,6 @@ def zygote(plan, ctl, rep, sock_fd):
     for name in PRELOAD:
         __import__(name)
     stage2.prepare()
-    if plan["nice"]:
-        os.nice(plan["nice"])  # the zygote and every program
     os.chdir("/")
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
@@ -431,6 +430,8 @@ def main():
             os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
+    if plan["nice"]:
+        os.nice(plan["nice"])  # this process and all it starts: the sandbox, the zygote's forks
     try:
         if plan.get("pdeathsig", True):
             prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
