@@ -198,7 +198,8 @@ class Sandbox:
         try:
             proc = self._new_proc()
         except Exception as e:  # noqa: BLE001
-            log.warning("sandbox: a warm %s sandbox failed to start: %s", self.backend, e)
+            if not self._closed:  # else: closed while this one was on its way, as it should
+                log.warning("sandbox: a warm %s sandbox failed to start: %s", self.backend, e)
         with self._lock:
             self._starting -= 1
             if proc is None:
