@@ -196,18 +196,12 @@ class ZygoteProc(SandboxProc):
         return [] if self._rep_eof or self.rep_r < 0 else [self.rep_r]
 
     def _exited(self, wait_s: float = 0.0) -> bool:
-        """The program's process ended: its init reported it (`X`, written before the init
-        exits, which ends the program's pid namespace by itself), or nothing holds rep any
-        more. Not waiting for the zygote's `W` keeps the zygote off a run's critical path."""
-        if self._rep_eof or self.rep_r < 0 or self._reported():
+        if self._rep_eof or self.rep_r < 0:
             return True
         if wait_s:
             select.select([self.rep_r], [], [], wait_s)
         self._read_rep()
-        return self._rep_eof or self._reported()
-
-    def _reported(self) -> bool:
-        return any(line.startswith(b"X ") for line in self._rep.split(b"\n")[:-1])
+        return self._rep_eof
 
     def _run(self, code: str, timeout_s: float) -> RunResult:
         r = super()._run(code, timeout_s)
@@ -223,9 +217,8 @@ class ZygoteProc(SandboxProc):
                 if why == "did not start" else why)
 
     def kill(self) -> None:
-        """Close life (the zygote then SIGKILLs the program's init, which ends the program's
-        pid namespace), wait until the program ended (`_exited`), close everything.
-        Idempotent."""
+        """Close life (the program's outer process then SIGKILLs its init, which ends the
+        program's pid namespace), wait for rep's end of file, close everything. Idempotent."""
         with self._lock:
             if self._done:
                 return
