@@ -73,6 +73,8 @@ def headline(data: dict[str, Any]) -> str:
         return _lora(data)
     if "time_to_target_s" in data and "lags" in data:
         return _staleness(data)
+    if data.get("benchmark") == "sandbox" and "ratio" in data["rows"]["sandbox CPU ms / call"]:
+        return _sandbox(data["rows"])
     return "—"
 
 
@@ -88,6 +90,13 @@ def _staleness(d: dict[str, Any]) -> str:
             "target (final score): " + "; ".join(
                 f"{kind}: " + ", ".join(cell(kind, str(lag)) for lag in d["lags"])
                 for kind in d["corrections"]))
+
+
+def _sandbox(rows: dict[str, Any]) -> str:
+    cpu, warm = rows["sandbox CPU ms / call"], rows["warm (ready) median ms"]
+    return (f"print(1) zygote vs one-shot: sandbox CPU per call {cpu['ratio']:.2f}x "
+            f"({cpu['zygote']:.2f} vs {cpu['oneshot']:.1f} ms), warm latency median "
+            f"{warm['ratio']:.2f}x, cold median {rows['cold median ms']['ratio']:.2f}x")
 
 
 def _lora(d: dict[str, Any]) -> str:

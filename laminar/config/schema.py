@@ -72,6 +72,14 @@ class SandboxConfig(Section):
         "their turn (the wait counts in the environment's latency, not in `timeout_s`). 0 = the "
         "number of CPU cores: on a small machine, dozens of CPU-bound tool calls at once would "
         "starve the engine and the trainer.")
+    zygote: bool = Field(True, description="`unshare` backend: start one pre-imported "
+                         "interpreter (the zygote) inside the sandbox's namespaces and fork each "
+                         "program from it, in namespaces, a /tmp and a uid of its own, instead of "
+                         "starting two interpreters per call (docs/sandbox.md); false = the "
+                         "one-shot path. bwrap and unsafe always use the one-shot path.")
+    nice: int = Field(10, ge=0, le=19, description="Nice increment of every sandbox process "
+                      "(the zygote and each program): tool calls yield the CPU to the engines "
+                      "and the trainer; 0 = the host's priority.")
 
 
 class Config(Section):

@@ -66,14 +66,20 @@ _DENY = {
 _CLONE_NEW = 0x7E020080  # CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET|NEWTIME
 
 
-def _seccomp():
-    """Install the filter; False where this architecture has none here."""
+def _filter():
+    """The seccomp program as (ctypes library, sock_fprog, its buffer), or None where this
+    architecture has no filter here. Built once per interpreter: the zygote builds it before it
+    forks, so that no program's process pays for it (nor copies the pages it would touch)."""
+    global _FILTER
+    if _FILTER is not False:
+        return _FILTER
     import ctypes
     import struct
 
     spec = _DENY.get(os.uname().machine)
     if spec is None:
-        return False
+        _FILTER = None
+        return None
     arch, clone, clone3, deny = spec
     ld, jeq, jset, jge, ret = 0x20, 0x15, 0x45, 0x35, 0x06
     allow, kill = 0x7FFF0000, 0x80000000
@@ -93,17 +99,49 @@ def _seccomp():
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     fprog = Fprog(len(prog), ctypes.addressof(buf))
-    libc = ctypes.CDLL(None, use_errno=True)
+    _FILTER = (_libc(), ctypes.byref(fprog), fprog, buf)
+    return _FILTER
+
+
+_FILTER = False  # not built yet
+
+
+def _seccomp():
+    """Install the filter; False where this architecture has none here."""
+    import ctypes
+
+    f = _filter()
+    if f is None:
+        return False
+    libc, ref = f[0], f[1]
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS (bwrap and _boot set it too)
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-    if libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:  # PR_SET_SECCOMP, MODE_FILTER
+    if libc.prctl(22, 2, ref, 0, 0) != 0:  # PR_SET_SECCOMP, MODE_FILTER
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
     return True
 
 
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.prctl  # noqa: B018 - resolve the symbol now (in the zygote: before any fork)
+    return _LIBC
+
+
+_LIBC = None
+
+
+def prepare():
+    """Everything a program's process would otherwise build for itself (the zygote calls it
+    before it forks)."""
+    _filter()
+    _libc()
+
+
 def _dumpable(flag):
-    import ctypes
-    if ctypes.CDLL(None).prctl(4, flag, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+    if _libc().prctl(4, flag, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
         raise OSError("prctl(PR_SET_DUMPABLE) failed")
 
 
@@ -127,18 +165,30 @@ def _init(child, rep):
         os._exit(0)
 
 
-def _main():
-    spec = marshal.loads(bytes.fromhex(sys.argv[1]))
-    ctl = spec["ctl"]
+def _main(spec):
+    """The whole one-shot stage 2: drop, limits, seccomp, the init's fork, the program."""
     if spec.get("drop"):
         uid, gid = spec["drop"]
         os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
+    confine(spec)
+    program(spec["ctl"], spec.get("rep"))
+
+
+def confine(spec):
+    """The nice level, the rlimits, then the seccomp filter (in this order: setpriority and
+    setrlimit stay allowed, but nothing is left to do after the filter)."""
+    if spec.get("nice"):
+        os.nice(spec["nice"])
     _limits(spec["limits"])
     if spec.get("seccomp", True):
         _seccomp()
-    rep = spec.get("rep")
+
+
+def program(ctl, rep):
+    """With `rep`: fork, the parent staying as the init. Then say R, read the code, run it,
+    end (never returns)."""
     if rep is not None:
         _dumpable(0)  # before the fork: the init is never ptrace-able nor its /proc/1/fd open
         child = os.fork()
@@ -237,4 +287,6 @@ def _finish(status):
     os._exit(status)
 
 
-_main()
+
+if __name__ == "__main__":  # the one-shot path: `python -I -S -c <this> SPEC`
+    _main(marshal.loads(bytes.fromhex(sys.argv[1])))

@@ -1,4 +1,5 @@
-"""`Sandbox`: a warm pool of one-shot sandbox processes; `resolve_backend`; `shared_sandbox`."""
+"""`Sandbox`: a warm pool of one-shot sandbox processes (forked by a zygote, or each started on
+its own); `resolve_backend`; `shared_sandbox`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Callable
 from laminar.config import SandboxConfig
 from laminar.sandbox.proc import SandboxProc
 from laminar.sandbox.result import RunResult, SandboxError
+from laminar.sandbox.zygote import Zygote
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +124,9 @@ _live: "weakref.WeakSet[Sandbox]" = weakref.WeakSet()
 
 
 class Sandbox:
-    """Runs untrusted Python, one fresh sandbox process per call, `cfg.warm` kept ready.
+    """Runs untrusted Python, one fresh sandbox process per call, `cfg.warm` kept ready. With
+    the `unshare` backend and `cfg.zygote`, the processes are forked by one zygote per Sandbox
+    (laminar/sandbox/zygote.py), restarted when it dies; else each starts on its own.
 
     run() blocks and returns a RunResult whatever the code does; it raises SandboxError only
     when the sandbox cannot start (or after close()). Thread-safe. arun() is the asyncio form.
@@ -141,6 +145,10 @@ class Sandbox:
         self._executor: ThreadPoolExecutor | None = None  # arun's threads, made on first use
         self.max_concurrent = self.cfg.max_concurrent or os.cpu_count() or 1
         self._running = threading.BoundedSemaphore(self.max_concurrent)  # programs at once
+        self.uses_zygote = self.backend == "unshare" and self.cfg.zygote
+        self._zygote: Zygote | None = None
+        self._zygote_lock = threading.Lock()
+        self.zygote_starts = 0  # zygotes started so far (a restart after a death adds one)
         _live.add(self)
         self._refill()
 
@@ -154,12 +162,44 @@ class Sandbox:
         for _ in range(max(0, need)):
             _spawner.submit(self._start_one)
 
+    def _new_proc(self) -> SandboxProc:
+        """A sandbox process that will run one program: forked by the zygote, else started."""
+        if self.uses_zygote:
+            try:
+                return self.zygote().fork_program()
+            except SandboxError as e:
+                if self.zygote_starts or self._closed:
+                    raise
+                self.uses_zygote = False  # it never worked here: the one-shot path, for good
+                log.warning("sandbox: the zygote cannot start here (%s); every call starts its "
+                            "own sandbox instead (sandbox.zygote=false)", e)
+        return SandboxProc.start(self.backend, self.cfg)
+
+    def zygote(self) -> Zygote:
+        """The live, ready zygote; a new one when there is none yet or the last one died."""
+        with self._zygote_lock:
+            z = self._zygote
+            if z is not None and z.alive():
+                return z
+            if self._closed:
+                raise SandboxError("this Sandbox is closed")
+            if z is not None:
+                log.warning("sandbox: the zygote (pid %s) ended; starting a new one", z._pid)
+                z.kill()
+            self._zygote = None
+            z = Zygote.start(self.cfg)
+            self.zygote_starts += 1
+            z.wait_ready()
+            self._zygote = z
+            return z
+
     def _start_one(self) -> None:
         proc = None
         try:
-            proc = SandboxProc.start(self.backend, self.cfg)
+            proc = self._new_proc()
         except Exception as e:  # noqa: BLE001
-            log.warning("sandbox: a warm %s sandbox failed to start: %s", self.backend, e)
+            if not self._closed:  # else: closed while this one was on its way, as it should
+                log.warning("sandbox: a warm %s sandbox failed to start: %s", self.backend, e)
         with self._lock:
             self._starting -= 1
             if proc is None:
@@ -199,7 +239,15 @@ class Sandbox:
                 with self._lock:
                     self._failures += 1
                 log.warning("sandbox: a warm sandbox was unusable (%s); starting a fresh one", e)
-        return SandboxProc.start(self.backend, self.cfg).run(code, t)
+        try:
+            return self._new_proc().run(code, t)
+        except SandboxError as e:
+            if not self.uses_zygote or self._closed:
+                raise
+            # the zygote died (killed, the OOM killer) before or during this program: it runs
+            # once more, from a fresh zygote; its first try left nothing behind
+            log.warning("sandbox: %s; running the program again from a new zygote", e)
+            return self._new_proc().run(code, t)
 
     async def arun(self, code: str, timeout_s: float | None = None) -> RunResult:
         """run() in this Sandbox's thread pool (up to ARUN_THREADS runs at once; more wait).
@@ -223,6 +271,10 @@ class Sandbox:
             ex.shutdown(wait=False)  # runs in flight finish; their threads end after
         for p in idle:
             p.kill()
+        with self._zygote_lock:
+            z, self._zygote = self._zygote, None
+        if z is not None:
+            z.retire()  # it exits once the runs in flight (their own limits bound them) end
 
     @property
     def closed(self) -> bool:
@@ -281,6 +333,8 @@ def _after_fork_in_child() -> None:
         sb._idle = deque()
         sb._starting = 0
         sb._executor = None  # its threads did not survive the fork
+        sb._zygote_lock = threading.Lock()
+        sb._zygote = None  # the parent's (proc.py closed our copy of its socket)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -17,6 +17,8 @@ Backends:
            keeps only CAP_SETUID/CAP_SETGID, which stage 2 uses to drop to the sandbox's uid
            before anything else; otherwise bwrap's user namespace maps the sandbox to the host
            user.
+  unshare with sandbox.zygote (the default): `zygote.py` subclasses this class twice, for the
+           zygote's own sandbox and for each program it forks.
   unsafe:  stage 2 as a plain subprocess (new session, clean environment, rlimits, a temporary
            scratch directory as cwd; a separate uid when the host is root and the interpreter is
            reachable by it). No filesystem or network isolation.
@@ -195,6 +197,7 @@ class SandboxProc:
         self.scratch: str | None = None
         self._ctl = b""
         self._rep = b""
+        self._rep_eof = False
         self._ready = False
         self._done = False
         self._lock = threading.Lock()
@@ -265,8 +268,18 @@ class SandboxProc:
                 "uid": uid, "gid": gid, "stage": _stage_dir(binds), "symlinks": symlinks,
                 "ro_binds": binds, "etc": _etc(uid, gid), "scratch_mb": self.cfg.scratch_mb,
                 "python": python_executable(), "stage2": STAGE2, "limits": _limits(self.cfg),
-                "env": SANDBOX_ENV}
-        return [python_executable(), "-I", "-S", BOOT, marshal.dumps(plan).hex()], (ctl_w, rep_w)
+                "env": SANDBOX_ENV, "nice": self.cfg.nice}
+        plan.update(self._plan_extra())
+        pass_fds = (ctl_w, rep_w) + tuple(self._fds_to_pass())
+        return [python_executable(), "-I", "-S", BOOT, marshal.dumps(plan).hex()], pass_fds
+
+    def _plan_extra(self) -> dict:
+        """More keys for the unshare plan (the zygote's socket)."""
+        return {}
+
+    def _fds_to_pass(self) -> list[int]:
+        """More descriptors for the unshare outer process to inherit."""
+        return []
 
     def _bwrap_argv(self, ctl_w: int, rep_w: int):
         bwrap = shutil.which("bwrap")
@@ -312,7 +325,8 @@ class SandboxProc:
                  "--perms", "0700", "--size", str(self.cfg.scratch_mb << 20), "--tmpfs", "/tmp"]
         if root:
             argv += ["--chmod", "1777", "/tmp"]  # stage 2 is root until it drops
-        spec = {"ctl": ctl_w, "rep": rep_w, "limits": _limits(self.cfg), "drop": drop}
+        spec = {"ctl": ctl_w, "rep": rep_w, "limits": _limits(self.cfg), "drop": drop,
+                "nice": self.cfg.nice}
         argv += ["--remount-ro", "/", "--chdir", "/tmp", "--", python_executable(), "-I", "-S",
                  "-c", STAGE2, marshal.dumps(spec).hex()]
         return argv, tuple([ctl_w, rep_w] + opened), opened, {}
@@ -330,7 +344,8 @@ class SandboxProc:
                        f"at {exe} is not reachable by another uid), with no process limit")
         env = dict(SANDBOX_ENV, HOME=self.scratch, TMPDIR=self.scratch)
         kw["env"] = env
-        spec = {"ctl": ctl_w, "rep": None, "limits": _limits(self.cfg), "drop": None}
+        spec = {"ctl": ctl_w, "rep": None, "limits": _limits(self.cfg), "drop": None,
+                "nice": self.cfg.nice}
         argv = [exe, "-I", "-S", "-c", STAGE2, marshal.dumps(spec).hex()]
         return argv, (ctl_w,), kw
 
@@ -358,6 +373,10 @@ class SandboxProc:
             pass
         return p.returncode is not None
 
+    def _end_fds(self) -> list[int]:
+        """Descriptors that turn readable when the sandbox has ended (none: poll)."""
+        return [self.pidfd] if self.pidfd is not None else []
+
     def _read_ctl(self) -> bool:
         """Read what the control pipe has; False at end of file."""
         try:
@@ -380,6 +399,7 @@ class SandboxProc:
             except (BlockingIOError, OSError):
                 return
             if not b:
+                self._rep_eof = True
                 return
             self._rep += b[:4096]
 
@@ -405,13 +425,13 @@ class SandboxProc:
         if self._ready:
             return
         deadline = time.monotonic() + timeout_s
-        fds = [self.ctl_r] + ([self.pidfd] if self.pidfd is not None else [])
+        fds = [self.ctl_r] + self._end_fds()
         while b"R\n" not in self._ctl and b"F " not in self._ctl:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.kill()
                 raise SandboxError(f"sandbox ({self.backend}) not ready after {timeout_s:g} s")
-            wait = left if self.pidfd is not None else min(left, 0.05)
+            wait = left if self._end_fds() else min(left, 0.05)
             r, _, _ = select.select(fds, [], [], wait)
             if self.ctl_r in r and not self._read_ctl():
                 break
@@ -461,7 +481,8 @@ class SandboxProc:
             pass
         self._close(self.code_w)
         out_open, ended_at = True, None
-        poll_fds = [self.out_r, self.ctl_r] + ([self.pidfd] if self.pidfd is not None else [])
+        ends = self._end_fds()
+        poll_fds = [self.out_r, self.ctl_r] + ends
         ctl_open = True
         while True:
             now = time.monotonic()
@@ -478,10 +499,10 @@ class SandboxProc:
             wait = deadline - now
             if ended_at is not None:
                 wait = min(wait, DRAIN_S)
-            elif self.pidfd is None:
+            elif not self._end_fds():
                 wait = min(wait, 0.05)
             fds = [fd for fd in poll_fds if fd >= 0 and (fd != self.ctl_r or ctl_open)
-                   and (fd != self.out_r or out_open) and not (fd == self.pidfd and ended_at)]
+                   and (fd != self.out_r or out_open) and not (fd in ends and ended_at)]
             if not fds:
                 time.sleep(min(wait, 0.01))
                 continue
@@ -554,6 +575,15 @@ class SandboxProc:
         return rc
 
     # ------------------------------------------------------------------ end
+    def _forget(self) -> None:
+        """In a forked child: close our copies of the descriptors, never kill (the parent's)."""
+        for fd in self._fds + ([self.pidfd] if self.pidfd is not None else []):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds, self.pidfd, self.popen, self._done, self.scratch = [], None, None, True, None
+
     def kill(self) -> None:
         """End the sandbox and everything it started; reap; close the pipes. Idempotent."""
         with self._lock:
@@ -618,12 +648,7 @@ def _forget_after_fork() -> None:
     """In a forked child: drop (never kill) the parent's sandboxes and close our copies of
     their pipes, so that the parent's runs see their pipes end as if we did not exist."""
     for p in list(_procs):
-        for fd in p._fds + ([p.pidfd] if p.pidfd is not None else []):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        p._fds, p.pidfd, p.popen, p._done, p.scratch = [], None, None, True, None
+        p._forget()
     _procs.clear()
 
 
