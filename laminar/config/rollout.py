@@ -29,6 +29,11 @@ class EngineConfig(Section):
         True, description="vllm: run the model eagerly. False lets vLLM compile it and capture "
         "CUDA graphs: a longer start, a faster decode on GPUs.")
 
+    dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="The dtype the engine holds the weights and runs in (the native "
+        "engine on CPU or GPU, vllm its `dtype`). `bf16` halves its memory and is what a "
+        "served model usually runs in; trainer.publish_dtype=auto then publishes bf16 versions.")
+
     @field_validator("backend", mode="before")
     @classmethod
     def _not_the_baseline(cls, value: Any) -> Any:
