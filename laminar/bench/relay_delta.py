@@ -100,7 +100,7 @@ def bytes_part(big: int) -> dict[str, Any]:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99))
         ids = torch.randint(4, 100, (8, 64), generator=torch.Generator().manual_seed(0))
         rows = {"bf16": [], "fp32": []}
-        for _ in range(3):
+        for _ in range(2):
             before = {d: _flat({k: p.detach().to(dt) for k, p in model.named_parameters()})
                       for d, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
             loss = model(ids, labels=ids).loss
@@ -109,7 +109,7 @@ def bytes_part(big: int) -> dict[str, Any]:
             opt.step()
             for d, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
                 after = _flat({k: p.detach().to(dt) for k, p in model.named_parameters()})
-                rows[d].append(measure_bytes(before[d], after))
+                rows[d].append(measure_bytes(before[d], after, xor=d == "bf16"))
         res.setdefault("small", {})[str(lr)] = {d: _mean(r) for d, r in rows.items()}
         print(f"  small preset lr {lr:g}: bf16 {res['small'][str(lr)]['bf16']['ratio']:.4f} "
               f"(changed {res['small'][str(lr)]['bf16']['changed_fraction']:.4f}), fp32 "
@@ -179,16 +179,24 @@ class _Variant:
                 "wire_over_full": statistics.mean(wire) / beats[1]["arrivals"][str(v)]["bytes"]}
 
     def late_join(self, model: SyntheticModel, lr: float) -> dict[str, Any]:
-        """The fifth relay joins the tail and the next version is pushed at once."""
+        """The fifth relay joins the tail and the next version (made beforehand: the trainer's
+        step is not the joiner's catch-up) is pushed at once."""
         late = self.relays[CHAIN]
         self.plan = join(self.plan, late.info)
+        model.step(lr)
+        named = model.published()
         t0 = time.time()
         self._set_plan()
-        model.step(lr)
-        v, _ = self.push(model)
+        t_plan = time.time()
+        self.version += 1
+        v = self.version
+        self.pusher.push(named, v)
+        t_push = time.time()
         [beat] = self.wait([late], v)
         prev = beat["arrivals"].get(str(v - 1), {})
         return {"catch_up_s": beat["completed_at"][str(v)] - t0, "version": v,
+                "set_plan_s": t_plan - t0, "push_s": t_push - t_plan,
+                "whole_version_s": prev.get("seconds"),
                 "whole_version_wire_bytes": prev.get("wire_bytes"),
                 "next_version_wire_bytes": beat["arrivals"][str(v)]["wire_bytes"],
                 "refused": self.relays[CHAIN - 1].heartbeat()["delta"].get("delta_refused", 0)}
