@@ -14,9 +14,9 @@
 2. **Chain** (the synthetic model, lr 1e-6): 4 relay processes, one per emulated node, on
    namespaced 1 Gbit/s links (laminar/devcluster/netns.py, as `laminar bench relay`; a token
    bucket in the transport where namespaces are unavailable). Versions whole (relay.full_every
-   = 1) and as deltas, each variant on its own freshly started relays: the chain time (from the
-   master holding the version to the last relay holding it complete, relays' own clocks) and
-   the trainer's push stall, medians.
+   = 1) and as deltas, each variant on its own 4 nodes, both running, their rounds alternating:
+   the chain time (from the master holding the version to the last relay holding it complete,
+   relays' own clocks) and the trainer's push stall, medians.
 3. **Late joiner** (delta variant): a fifth relay joins the tail while the next version is
    pushed; its catch-up (join to holding that version) against one whole version's transfer
    over one link (the whole variant's first hop).
@@ -139,12 +139,13 @@ def _mean(rows: list[dict[str, Any]]) -> dict[str, Any]:
 class _Variant:
     """CHAIN relays (+ one that joins later) of one config, on the emulated links."""
 
-    def __init__(self, stack: ExitStack, net: Netns | None, cfg: RelayConfig, tmp: Path, tag: str) -> None:
+    def __init__(self, stack: ExitStack, net: Netns | None, cfg: RelayConfig, tmp: Path, tag: str,
+                 nodes: list[int]) -> None:
         job = f"bd{tag}{uuid.uuid4().hex[:5]}"
         self.relays = [stack.enter_context(RelayProcess(
             f"n{i}", job, SECRET, cfg.model_copy(update={"host": net.address(i) if net else "127.0.0.1"}),
             prefix=net.prefix(i) if net else None, log_path=tmp / f"{tag}-n{i}.log",
-            rate_mbit=0.0 if net else RATE_MBIT)) for i in range(CHAIN + 1)]
+            rate_mbit=0.0 if net else RATE_MBIT)) for i in nodes]
         self.plan = build_chain([r.info for r in self.relays[:CHAIN]], epoch=1)
         self.pusher = Pusher(self.plan, SECRET, cfg)
         stack.callback(self.pusher.close)
@@ -207,25 +208,28 @@ def chain_part(nbytes: int, reps: int, tmp: Path) -> dict[str, Any]:
     res: dict[str, Any] = {"network": "netns+veth+tbf" if ok else "in-transport token bucket",
                            "network_note": why, "rate_mbit": RATE_MBIT, "relays": CHAIN}
     rounds: dict[str, list[dict[str, float]]] = {"full": [], "delta": []}
-    late: dict[str, Any] = {}
     with ExitStack() as stack:
-        net = stack.enter_context(Netns(CHAIN + 1, RATE_MBIT)) if ok else None
-        for name, full_every in (("full", 1), ("delta", 1 << 30)):
+        # both variants at once, on their own nodes (the delta one has a fifth that joins
+        # later), their rounds alternating: a change in the machine's load hits both alike
+        net = stack.enter_context(Netns(2 * CHAIN + 1, RATE_MBIT)) if ok else None
+        variants, models = {}, {}
+        for name, full_every, nodes in (("full", 1, range(CHAIN)),
+                                        ("delta", 1 << 30, range(CHAIN, 2 * CHAIN + 1))):
             cfg = RelayConfig(timeout_s=30.0, heartbeat_s=1.0, full_every=full_every)
-            with ExitStack() as inner:
-                var = _Variant(inner, net, cfg, tmp, name)
-                model = SyntheticModel(nbytes)
-                for _ in range(cfg.keep_versions + 1):  # slots allocated at this size; a base
-                    var.round(model, 1e-6)
-                for rep in range(reps):
-                    rounds[name].append(var.round(model, 1e-6))
-                    r = rounds[name][-1]
-                    print(f"  {name} rep {rep}: chain {r['chain_s']:.3f}s, first hop "
-                          f"{r['first_hop_s']:.3f}s, push stall {r['stall_s']:.3f}s, wire/full "
-                          f"{r['wire_over_full']:.4f}", flush=True)
-                if name == "delta":
-                    late = var.late_join(model, 1e-6)
-                    print(f"  late joiner: caught up in {late['catch_up_s']:.3f}s", flush=True)
+            variants[name] = _Variant(stack, net, cfg, tmp, name, list(nodes))
+            models[name] = SyntheticModel(nbytes)
+        for _ in range(RelayConfig().keep_versions + 1):  # slots allocated at this size; a base
+            for name, var in variants.items():
+                var.round(models[name], 1e-6)
+        for rep in range(reps):
+            for name, var in variants.items():
+                rounds[name].append(var.round(models[name], 1e-6))
+                r = rounds[name][-1]
+                print(f"  {name} rep {rep}: chain {r['chain_s']:.3f}s, first hop "
+                      f"{r['first_hop_s']:.3f}s, push stall {r['stall_s']:.3f}s, wire/full "
+                      f"{r['wire_over_full']:.4f}", flush=True)
+        late = variants["delta"].late_join(models["delta"], 1e-6)
+        print(f"  late joiner: caught up in {late['catch_up_s']:.3f}s", flush=True)
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rounds.items()}
     res.update({"median": med, "samples": rounds, "late_join": late,
                 "delta_chain_time_ratio": med["delta"]["chain_s"] / med["full"]["chain_s"],

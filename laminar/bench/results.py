@@ -71,7 +71,17 @@ def headline(data: dict[str, Any]) -> str:
         return _trainer(data)
     if "push_bytes_by_variant" in data:
         return _lora(data)
+    if "delta_bytes_ratio_by_lr" in data:
+        return _relay_delta(data)
     return "—"
+
+
+def _relay_delta(d: dict[str, Any]) -> str:
+    return ("delta / whole bytes in bf16 by lr " + ", ".join(
+        f"{lr} {r:.3f}" for lr, r in d["delta_bytes_ratio_by_lr"].items())
+        + f"; 4-relay chain time {d['delta_chain_time_ratio']:.2f}x, push stall "
+        f"{d['delta_push_stall_ratio']:.2f}x, late joiner {d['late_join_ratio']:.2f}x one whole "
+        f"transfer; exact {d['delta_exact']}")
 
 
 def _lora(d: dict[str, Any]) -> str:

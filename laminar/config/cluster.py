@@ -113,8 +113,9 @@ class RelayConfig(Section):
     full_every: int = Field(
         8, ge=0, description="Delta versions: the master sends a version as a delta against the "
         "previous one (its changed 16-bit words; bit-exact, docs/relay.md) and a whole version "
-        "every this many versions, so a chain of deltas stays short; also whole when the last "
-        "delta was not smaller than 0.9 of full. 0 or 1: every version whole.")
+        "every this many versions, so a chain of deltas stays short. After a delta that was not "
+        "smaller than 0.9 of its version (every word moves: fp32, large learning rates) the "
+        "versions go whole until the next of those. 0 or 1: every version whole.")
 
     @model_validator(mode="after")
     def _timeout_after_heartbeat(self) -> "RelayConfig":

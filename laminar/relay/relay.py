@@ -135,17 +135,17 @@ class Relay:
         """Before a version published here becomes forwardable: whether it travels as a delta,
         and against which base (returned pinned; None: whole)."""
         base = self.store.latest()
-        if (base is None or should_send_full(buf.version, self._last_full, self.cfg.full_every)
-                or self._last_delta_ratio >= 0.9 or base.header.tensors != buf.header.tensors
-                or base.header.chunk_bytes != buf.header.chunk_bytes):
-            self._last_full = buf.version
-            return None
-        base = self.store.pin(base.version)
-        if base is None:
-            self._last_full = buf.version
-            return None
-        buf.delta = Delta(base.version, buf.header.num_chunks)
-        return base
+        if should_send_full(buf.version, self._last_full, self.cfg.full_every):
+            self._last_delta_ratio = 0.0  # the next one tries a delta again
+        elif (base is not None and self._last_delta_ratio < 0.9
+              and base.header.tensors == buf.header.tensors
+              and base.header.chunk_bytes == buf.header.chunk_bytes):
+            base = self.store.pin(base.version)
+            if base is not None:
+                buf.delta = Delta(base.version, buf.header.num_chunks)
+                return base
+        self._last_full = buf.version
+        return None
 
     def _encode_delta(self, buf: VersionBuffer, base: VersionBuffer) -> None:
         """Encode each chunk against the base, in order, waking the feeder after each; a chunk
