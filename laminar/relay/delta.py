@@ -15,7 +15,7 @@ Parts:
 - `decode_chunk(payload, base, out)`: writes the new chunk into `out` (may be `base` itself).
 - `xor_zlib_size`: the other candidate the benchmark measures, XOR of the raw bytes + zlib
   level 1 (zstd and lz4 are not installed). It is smaller than SPARSE only where most words
-  change (lr >= 1e-5 in bf16, and fp32), and zlib encodes at 12-40 MB/s on this machine,
+  change (lr >= 1e-5 in bf16, and fp32), and zlib encoded at 9-24 MB/s on this machine,
   slower than a 1 Gbit/s link sends the chunk whole; so the relay does not use it.
 - `should_send_full(...)`: the pure rule for when a version goes whole (every N versions).
 
