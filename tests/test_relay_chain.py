@@ -17,7 +17,8 @@ import torch
 
 from laminar.config import RelayConfig
 from laminar.relay.chain import call
-from laminar.relay.transport import CHUNK, FRAME, OFFER, ROLE_FEED, LinkError, connect, make_transport
+from laminar.relay.transport import (CHUNK, DELTA_CHUNK, FRAME, OFFER, ROLE_FEED, LinkError, connect,
+                                     make_transport)
 from laminar.relay.client import Puller, Pusher
 from laminar.relay.plan import RelayInfo, build_chain, join
 from laminar.bench.relay_node import RelayProcess
@@ -210,8 +211,8 @@ def test_a_connection_with_the_wrong_secret_is_refused_logged_and_never_writes(j
 class CorruptingProxy:
     """Sits between two relays and flips one byte inside one chunk's payload, once."""
 
-    def __init__(self, target: tuple[str, int], chunk_index: int) -> None:
-        self.target, self.chunk_index, self.flipped = target, chunk_index, 0
+    def __init__(self, target: tuple[str, int], chunk_index: int, kind: int = CHUNK) -> None:
+        self.target, self.chunk_index, self.flipped, self.kind = target, chunk_index, 0, kind
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.address = self.sock.getsockname()
         threading.Thread(target=self._accept, daemon=True).start()
@@ -250,7 +251,7 @@ class CorruptingProxy:
                 head = self._read(src, FRAME.size)
                 kind, _, _, index, length = struct.unpack("!BIqIQ", head)
                 payload = bytearray(self._read(src, length))
-                if kind == CHUNK and index == self.chunk_index and not self.flipped:
+                if kind == self.kind and index == self.chunk_index and not self.flipped:
                     payload[len(payload) // 2] ^= 0xFF
                     self.flipped += 1
                 dst.sendall(head + payload)
@@ -278,3 +279,137 @@ def test_a_corrupted_chunk_is_detected_and_sent_again(job, tmp_path):
         assert prog["rejected"] == 1 and prog["received"] == prog["chunks"] + 1
         assert_holds_exactly(procs[1], sd, 7, cfg)
         assert "failed its checksum" in procs[1].log_path.read_text()
+
+
+# -- delta versions ------------------------------------------------------------------------------
+
+
+class AdamLikeModel:
+    """fp32 master weights published as bf16; each `step` moves every master weight by about
+    lr (what an Adam step does), so at lr 1e-6 a few percent of the bf16 words change."""
+
+    def __init__(self, scale: int = 1, seed: int = 0) -> None:
+        self.g = torch.Generator().manual_seed(seed)
+        self.masters = {"embed.weight": torch.randn(512 * scale, 256, generator=self.g) * 0.02,
+                        "layers.0.mlp": torch.randn(256 * scale, 1024, generator=self.g) * 0.02,
+                        "layers.0.norm": torch.ones(256)}
+
+    def step(self, lr: float) -> None:
+        for t in self.masters.values():
+            t -= lr * torch.randn(t.shape, generator=self.g).clamp(-3, 3)
+
+    def published(self) -> dict[str, torch.Tensor]:
+        return {k: t.bfloat16() for k, t in self.masters.items()}
+
+
+def slot_bytes(proc: RelayProcess, cfg: RelayConfig) -> tuple[int, bytes]:
+    with Puller(proc.info, cfg).open_latest() as pulled:
+        assert pulled.snapshot.verify() == []
+        return pulled.version, bytes(pulled.snapshot.data)
+
+
+@pytest.mark.slow  # four relay processes, four versions: ~10 s alone, 30 s on a loaded machine
+def test_a_chain_of_4_forwards_deltas_and_every_slot_is_the_published_bytes(job, tmp_path):
+    cfg = make_cfg(full_every=8)
+    model = AdamLikeModel()
+    with started(4, job, tmp_path, cfg) as procs:
+        pusher = Pusher(chain_up(procs), SECRET, cfg)
+        for version in range(1, 5):
+            model.step(1e-6)
+            pusher.push(model.published(), version)
+            for proc in procs:
+                wait_for(lambda: holds(proc, version), what=f"{proc.id} to hold v{version}")
+        sd = model.published()
+        for proc in procs:
+            assert_holds_exactly(proc, sd, 4, cfg)  # bit for bit what the trainer published
+        assert len({slot_bytes(p, cfg) for p in procs}) == 1
+        assert procs[0].heartbeat()["delta"]["built"] == 3  # v1 whole, v2..v4 deltas
+        for proc in procs[1:]:
+            beat = proc.heartbeat()
+            assert beat["progress"]["4"]["delta_base"] == 3
+            for v in ("2", "3", "4"):  # a delta's wire bytes, against the version's
+                a = beat["arrivals"][v]
+                assert 0 < a["wire_bytes"] < 0.15 * a["bytes"], (proc.id, v, a)
+            assert beat["arrivals"]["1"]["wire_bytes"] == beat["arrivals"]["1"]["bytes"]
+
+
+def test_a_late_joiner_takes_the_newest_version_whole_then_deltas(job, tmp_path):
+    """The new relay lacks every base, so it refuses its predecessor's delta offer (counted)
+    and gets the newest version whole from it, not from the master; the next is a delta."""
+    cfg = make_cfg(full_every=8)
+    model = AdamLikeModel()
+    with started(2, job, tmp_path, cfg) as procs:
+        plan = chain_up(procs)
+        pusher = Pusher(plan, SECRET, cfg)
+        for version in (1, 2, 3):
+            model.step(1e-6)
+            pusher.push(model.published(), version)
+            wait_for(lambda: holds(procs[1], version), what=f"r1 to hold v{version}")
+        with RelayProcess("late", job, SECRET, cfg, log_path=tmp_path / "late.log") as late:
+            plan = join(plan, late.info)
+            for proc in (*procs, late):
+                proc.call("set_plan", plan=plan.to_dict())
+            wait_for(lambda: holds(late, 3), what="the late joiner to catch up")
+            assert_holds_exactly(late, model.published(), 3, cfg)
+            assert procs[1].heartbeat()["delta"] == {"delta_refused": 1}
+            assert procs[0].heartbeat()["delta"].get("delta_refused", 0) == 0
+            assert "refused version 3 as a delta" in procs[1].log_path.read_text()
+            model.step(1e-6)
+            pusher.set_plan(plan)
+            pusher.push(model.published(), 4)
+            wait_for(lambda: holds(late, 4), what="the late joiner to take v4")
+            beat = late.heartbeat()
+            assert beat["progress"]["4"]["delta_base"] == 3
+            assert beat["arrivals"]["4"]["wire_bytes"] < 0.15 * beat["arrivals"]["4"]["bytes"]
+            assert_holds_exactly(late, model.published(), 4, cfg)
+
+
+def test_a_corrupted_delta_chunk_is_nacked_and_sent_again(job, tmp_path):
+    cfg = make_cfg(full_every=8)
+    model = AdamLikeModel()
+    with started(2, job, tmp_path, cfg) as procs:
+        proxy = CorruptingProxy(procs[1].info.address, chunk_index=3, kind=DELTA_CHUNK)
+        try:
+            via_proxy = RelayInfo("r1", *proxy.address, procs[1].info.node, procs[1].info.shm_prefix)
+            pusher = Pusher(chain_up(procs, [procs[0].info, via_proxy]), SECRET, cfg)
+            for version in (1, 2):
+                model.step(1e-6)
+                pusher.push(model.published(), version)
+                wait_for(lambda: holds(procs[1], version), what=f"r1 to complete v{version}")
+        finally:
+            proxy.close()
+        assert proxy.flipped == 1
+        prog = procs[1].heartbeat()["progress"]["2"]
+        assert prog["delta_base"] == 1
+        assert prog["rejected"] == 1 and prog["received"] == prog["chunks"] + 1
+        assert_holds_exactly(procs[1], model.published(), 2, cfg)
+
+
+@pytest.mark.slow  # a throttled 8 MiB version: ~10 s
+def test_a_relay_killed_mid_delta_shows_readers_only_complete_versions(job, tmp_path):
+    """r1 is frozen a third of the way into a delta version and killed: its readers still get
+    the base, intact; its successor gets the delta from r0 and ends with the published bytes."""
+    cfg = make_cfg(full_every=8)
+    model = AdamLikeModel(scale=8)
+    with started(3, job, tmp_path, cfg, rate_mbit=20) as procs:
+        plan = chain_up(procs)
+        pusher = Pusher(plan, SECRET, cfg)
+        model.step(1e-6)
+        pusher.push(model.published(), 1)
+        for proc in procs:
+            wait_for(lambda: holds(proc, 1), what=f"{proc.id} to hold v1")
+        base = slot_bytes(procs[1], cfg)
+        model.step(1e-4)  # a larger update: a delta that takes a while at 20 Mbit/s
+        pusher.push(model.published(), 2)
+
+        def r1_a_third_in() -> bool:
+            prog = procs[1].heartbeat()["progress"].get("2")
+            return prog is not None and prog["verified"] >= prog["chunks"] // 3
+        wait_for(r1_a_third_in, what="r1 to rebuild a third of v2")
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        assert slot_bytes(procs[1], cfg) == base  # mid-delta: readers see v1, whole
+        procs[1].kill()
+        assert slot_bytes(procs[1], cfg) == base  # and after the kill
+        wait_for(lambda: holds(procs[2], 2), what="r2 to get v2 after r1 died")
+        assert_holds_exactly(procs[2], model.published(), 2, cfg)
+        assert procs[2].heartbeat()["progress"]["2"]["delta_base"] == 1

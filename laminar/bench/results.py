@@ -75,6 +75,8 @@ def headline(data: dict[str, Any]) -> str:
         return _staleness(data)
     if data.get("benchmark") == "sandbox" and "ratio" in data["rows"]["sandbox CPU ms / call"]:
         return _sandbox(data["rows"])
+    if "delta_bytes_ratio_by_lr" in data:
+        return _relay_delta(data)
     return "—"
 
 
@@ -97,6 +99,14 @@ def _sandbox(rows: dict[str, Any]) -> str:
     return (f"print(1) zygote vs one-shot: sandbox CPU per call {cpu['ratio']:.2f}x "
             f"({cpu['zygote']:.2f} vs {cpu['oneshot']:.1f} ms), warm latency median "
             f"{warm['ratio']:.2f}x, cold median {rows['cold median ms']['ratio']:.2f}x")
+
+
+def _relay_delta(d: dict[str, Any]) -> str:
+    return ("delta / whole bytes in bf16 by lr " + ", ".join(
+        f"{lr} {r:.3f}" for lr, r in d["delta_bytes_ratio_by_lr"].items())
+        + f"; 4-relay chain time {d['delta_chain_time_ratio']:.2f}x, push stall "
+        f"{d['delta_push_stall_ratio']:.2f}x, late joiner {d['late_join_ratio']:.2f}x one whole "
+        f"transfer; exact {d['delta_exact']}")
 
 
 def _lora(d: dict[str, Any]) -> str:

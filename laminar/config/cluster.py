@@ -132,6 +132,12 @@ class RelayConfig(Section):
     timeout_s: float = Field(5.0, gt=0.0, description="A relay that makes no progress for this "
                              "long (connect, handshake, send, ping) is declared dead and cut out.")
     transport: Literal["tcp"] = Field("tcp", description="Relay-to-relay transport.")
+    full_every: int = Field(
+        8, ge=0, description="Delta versions: the master sends a version as a delta against the "
+        "previous one (its changed 16-bit words; bit-exact, docs/relay.md) and a whole version "
+        "every this many versions, so a chain of deltas stays short. After a delta that was not "
+        "smaller than 0.9 of its version (every word moves: fp32, large learning rates) the "
+        "versions go whole until the next of those. 0 or 1: every version whole.")
 
     @model_validator(mode="after")
     def _timeout_after_heartbeat(self) -> "RelayConfig":

@@ -35,6 +35,10 @@ class EngineConfig(Section):
         "has seen for the same prompt (the group's siblings, earlier epochs) and the context's "
         "n-grams; the model verifies them in one forward and keeps exactly the tokens it would "
         "have sampled, so outputs and log-probs are those without speculation (docs/engine.md).")
+    dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="The dtype the engine holds the weights and runs in (the native "
+        "engine on CPU or GPU, vllm its `dtype`). `bf16` halves its memory and is what a "
+        "served model usually runs in; trainer.publish_dtype=auto then publishes bf16 versions.")
 
     @model_validator(mode="after")
     def _speculation_is_native(self) -> "EngineConfig":

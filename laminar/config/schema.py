@@ -131,6 +131,8 @@ class Config(Section):
             raise ValueError(f"trainer.mini_batches={self.trainer.mini_batches} exceeds "
                              f"trainer.prompts_per_step={self.trainer.prompts_per_step}; a "
                              "mini-batch holds at least one prompt group")
+        if self.trainer.publish_dtype == "auto":  # the engine's dtype: what rollouts serve in
+            self.trainer.publish_dtype = self.rollout.engine.dtype
         return self
 
     @property

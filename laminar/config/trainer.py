@@ -170,6 +170,12 @@ class TrainerConfig(Section):
         None, description="Train LoRA adapters (peft) on a frozen base instead of every weight, "
         "e.g. `trainer.lora={}` or `trainer.lora.r=16`; a weight version then holds only the "
         "adapters and each rollout merges them into its copy of the base (docs/lora.md).")
+    publish_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="The dtype of the weight versions the trainer publishes: the "
+        "trainer keeps fp32 master weights and pushes their cast. `auto`: the rollout engine's "
+        "(rollout.engine.dtype); `bf16` halves the bytes on the relay chain and, at small "
+        "learning rates, leaves most bytes unchanged between versions, which the relay's delta "
+        "versions exploit (docs/relay.md). LoRA versions (adapters only) stay fp32.")
     device: Device = Field(
         "auto", description="Where the trainer's model and optimizer live: `auto` (the GPU when "
         "the trainer's process sees one, else the CPU), `cpu`, or `cuda` (an error at start where "

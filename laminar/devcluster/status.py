@@ -75,7 +75,9 @@ def _chain_position(relay: dict[str, Any], relays: list[dict[str, Any]]) -> tupl
 
 def link_speed_gbit(relay: dict[str, Any]) -> float | None:
     """Median arrival speed (Gbit/s) of the versions this relay received (None: none yet)."""
-    speeds = sorted(a["bytes"] * 8 / a["seconds"] / 1e9 for a in relay.get("arrivals", {}).values()
+    # the bytes that crossed the link: a delta version's encoding, else the version's size
+    speeds = sorted((a.get("wire_bytes") or a["bytes"]) * 8 / a["seconds"] / 1e9
+                    for a in relay.get("arrivals", {}).values()
                     if a.get("seconds", 0) > 0 and a.get("bytes", 0) > 0)
     return speeds[len(speeds) // 2] if speeds else None
 

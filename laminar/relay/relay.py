@@ -7,6 +7,10 @@ Parts:
   refused or reset, handshake or send timeout, no pong) the relay cuts it out of its plan
   (`plan.repair`: one link changes) and feeds the next one, which answers the offer with the
   chunks it already has, so only the missing ones travel.
+- Delta versions (the master): a version published here is forwarded as a delta against the
+  previous one (`_plan_delta`; a whole one every relay.full_every), encoded chunk by chunk on
+  a thread of its own (`_encode_delta`) while the feeder already sends the first chunks; the
+  trainer's push returns before any of it.
 - Control (the same methods over the TCP control channel or as Ray actor methods): `set_plan`,
   `publish` (master: write a state dict into the store; returns once it is there),
   `reserve` / `commit` (a trainer on this machine writes the version into a slot itself),
@@ -29,8 +33,9 @@ from typing import Any
 from laminar.config import RelayConfig
 from laminar.relay.address import AddressError, local_interfaces, node_id, resolve_host
 from laminar.relay.chain import Inbox, feed_version, serve_feed, serve_requests
+from laminar.relay.delta import RAW, encode_chunk, should_send_full
 from laminar.relay.plan import ChainPlan, RelayInfo, repair
-from laminar.relay.store import WeightStore
+from laminar.relay.store import Delta, VersionBuffer, WeightStore
 from laminar.relay.transport import (PING, ROLE_CONTROL, ROLE_FEED, LinkError, Transport, connect,
                                      handshake_server, make_transport)
 from laminar.relay.version import VersionHeader
@@ -74,6 +79,9 @@ class Relay:
         self.completed_at: dict[int, float] = {}  # version -> when it was complete here
         self.forwarded_at: dict[int, float] = {}  # version -> when the successor confirmed it
         self.arrivals: dict[int, dict[str, float]] = {}  # version -> bytes, seconds to arrive
+        self.delta_counts: dict[str, int] = {}  # deltas built here, and offers of them refused
+        self._last_full: int | None = None  # master: the last version it sent whole
+        self._last_delta_ratio = 0.0  # master: the last delta's bytes / its version's
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._accept_loop, daemon=True, name="relay-accept"),
                          threading.Thread(target=self._downstream_loop, daemon=True, name="relay-down")]
@@ -99,8 +107,9 @@ class Relay:
         header, tensors = prepare_version(named_tensors, version, self.cfg.chunk_bytes)
         buf = self.store.create(header, header_final=False)
         write_version(buf.data, header, tensors)
+        base = self._plan_delta(buf)
         self.store.finish(buf, header)
-        return self._publish(version)
+        return self._publish(version, base)
 
     def reserve(self, header: str) -> dict[str, Any]:
         """A process on this machine (the trainer) will write a version: give it a slot."""
@@ -109,13 +118,54 @@ class Relay:
 
     def commit(self, version: int) -> dict[str, Any]:
         """The process that reserved a slot for `version` wrote it: publish it."""
+        buf = self.store.get(version)
+        base = self._plan_delta(buf) if buf is not None else None
         self.store.finish_from_slot(version)
-        return self._publish(version)
+        return self._publish(version, base)
 
-    def _publish(self, version: int) -> dict[str, Any]:
+    def _publish(self, version: int, base: VersionBuffer | None = None) -> dict[str, Any]:
         self._on_complete(version)  # before readers can see it
         self.store.publish(version)
+        if base is not None:
+            threading.Thread(target=self._encode_delta, args=(self.store.pin(version), base),
+                             daemon=True, name=f"relay-delta-{version}").start()
         return {"version": version, "completed_at": self.completed_at[version]}
+
+    def _plan_delta(self, buf: VersionBuffer) -> VersionBuffer | None:
+        """Before a version published here becomes forwardable: whether it travels as a delta,
+        and against which base (returned pinned; None: whole)."""
+        base = self.store.latest()
+        if should_send_full(buf.version, self._last_full, self.cfg.full_every):
+            self._last_delta_ratio = 0.0  # the next one tries a delta again
+        elif (base is not None and self._last_delta_ratio < 0.9
+              and base.header.tensors == buf.header.tensors
+              and base.header.chunk_bytes == buf.header.chunk_bytes):
+            base = self.store.pin(base.version)
+            if base is not None:
+                buf.delta = Delta(base.version, buf.header.num_chunks)
+                return base
+        self._last_full = buf.version
+        return None
+
+    def _encode_delta(self, buf: VersionBuffer, base: VersionBuffer) -> None:
+        """Encode each chunk against the base, in order, waking the feeder after each; a chunk
+        whose delta would not be smaller goes whole (b"")."""
+        delta = buf.delta
+        try:
+            for i in range(buf.header.num_chunks):
+                payload = encode_chunk(buf.chunk(i), base.chunk(i))
+                with self.store.cond:
+                    delta.payloads[i] = b"" if payload[0] == RAW else payload
+                    self.store.cond.notify_all()
+            self._last_delta_ratio = (delta.nbytes + sum(
+                len(buf.chunk(i)) for i, p in enumerate(delta.payloads) if not p)) / buf.header.nbytes
+            self.delta_counts["built"] = self.delta_counts.get("built", 0) + 1
+        finally:
+            with self.store.cond:  # whatever happened, no feeder waits for ever: the rest whole
+                delta.payloads = [b"" if p is None else p for p in delta.payloads]
+                self.store.cond.notify_all()
+            self.store.unpin(base)
+            self.store.unpin(buf)
 
     def latest(self) -> dict[str, Any] | None:
         buf = self.store.latest()
@@ -140,7 +190,9 @@ class Relay:
             successor = self.plan.successor(self.id)
             bufs = [self.store.get(v) for v in self.store.versions()]
             progress = {str(b.version): {"verified": b.num_verified, "chunks": b.header.num_chunks,
-                                    "received": b.num_received, "rejected": b.num_rejected}
+                                    "received": b.num_received, "rejected": b.num_rejected,
+                                    "wire_bytes": b.wire_bytes,
+                                    "delta_base": b.delta.base if b.delta else None}
                         for b in bufs}
         return {"id": self.id, "pid": os.getpid(), "time": time.time(), "info": self.info.to_dict(),
                 "epoch": self.plan.epoch, "successor": successor,
@@ -148,7 +200,7 @@ class Relay:
                 "completed_at": {str(v): t for v, t in self.completed_at.items()},
                 "forwarded_at": {str(v): t for v, t in self.forwarded_at.items()},
                 "failures": list(self.failures), "held": self.store.held_versions(),
-                "versions": self.store.versions(),
+                "versions": self.store.versions(), "delta": dict(self.delta_counts),
                 "arrivals": {str(v): a for v, a in self.arrivals.items()}}
 
     def stop(self) -> None:
@@ -196,7 +248,8 @@ class Relay:
         _record(self.completed_at, version, now)
         buf = self.store.get(version)
         if buf is not None:  # how long the version took to arrive: the link's measured speed
-            self.arrivals[version] = {"bytes": buf.header.nbytes, "seconds": now - buf.created_at}
+            self.arrivals[version] = {"bytes": buf.header.nbytes, "seconds": now - buf.created_at,
+                                      "wire_bytes": buf.wire_bytes}
             for old in sorted(self.arrivals)[:-HISTORY]:
                 del self.arrivals[old]
 
@@ -252,7 +305,8 @@ class Relay:
                 return plan_changed() or (not b.is_complete and newest is not None and newest.version > v)
 
             try:
-                ok = feed_version(link, inbox, buf, self.cfg.timeout_s, give_up, self.cfg.heartbeat_s)
+                ok = feed_version(link, inbox, buf, self.cfg.timeout_s, give_up, self.cfg.heartbeat_s,
+                                  self.delta_counts)
             finally:
                 self.store.unpin(buf)
             if ok:

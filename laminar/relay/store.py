@@ -15,7 +15,9 @@ Parts:
 - At most `keep_versions` versions are offered; a slot whose old version a reader still holds
   (shared flock) is never overwritten: a new slot is added instead, and removed again once
   released (`collect`).
-- `VersionBuffer`: one version in a slot, with per-chunk state the transport waits on.
+- `VersionBuffer`: one version in a slot, with per-chunk state the transport waits on, and
+  its `Delta` when it travels as one (delta.py): the base version's number and each chunk's
+  encoded payload, kept in memory to forward; the slot always holds the whole version.
 - `cleanup`: remove every file of a prefix (a relay killed with SIGKILL cannot clean up after
   itself; the next store with that prefix, or the runtime, calls this).
 """
@@ -81,6 +83,20 @@ class _Slot:
             self.path.unlink(missing_ok=True)
 
 
+class Delta:
+    """A version as a delta against `base`: `payloads[i]` is chunk i's encoding (delta.py),
+    None until known, b"" for a chunk that is forwarded whole."""
+
+    def __init__(self, base: int, num_chunks: int) -> None:
+        self.base = base
+        self.payloads: list[bytes | None] = [None] * num_chunks
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this delta puts on the wire, once every payload is known (whole chunks: 0)."""
+        return sum(len(p) for p in self.payloads if p)
+
+
 class VersionBuffer:
     """One version in a slot of the owner process, with per-chunk state."""
 
@@ -92,6 +108,8 @@ class VersionBuffer:
         self.num_verified = 0
         self.num_received = 0  # chunk frames that arrived for this version (duplicates included)
         self.num_rejected = 0  # of those, how many failed their checksum
+        self.wire_bytes = 0  # chunk payload bytes that arrived (a delta's: its encoding)
+        self.delta: Delta | None = None  # set when it travels as a delta against a base
         self.pins = 0  # users inside this process (senders); never dropped while pinned
         self.completed_at: float | None = None
         # checksums known: a transport-fed version has them from the offer, a locally written
@@ -125,6 +143,12 @@ class VersionBuffer:
         """Block until chunk i is verified (True) or `timeout` passes (False)."""
         with self._cond:
             return self._cond.wait_for(lambda: self.state[i] == VERIFIED, timeout)
+
+    def wait_sendable(self, i: int, timeout: float) -> bool:
+        """Block until chunk i may be forwarded: verified and, for a delta, encoded."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.state[i] == VERIFIED and (
+                self.delta is None or self.delta.payloads[i] is not None), timeout)
 
     def release(self) -> None:
         self.data.release()

@@ -2,7 +2,8 @@
 
 Parts:
 - Frames: type u8, crc32 u32, version i64, chunk index u32, payload length u64, then the
-  payload. `Frame` is a parsed header; the message types are the constants below.
+  payload. `Frame` is a parsed header; the message types are the constants below (a
+  DELTA_CHUNK's crc is that of the chunk it rebuilds).
 - `Link` / `Listener` / `Transport`: the small interface the relay needs (send a frame, send a
   chunk straight from a version's slot, read a frame header, read a payload straight into a
   buffer). `TcpTransport` implements it; `make_transport` is the factory where an RDMA
@@ -29,6 +30,8 @@ from laminar.relay.store import VersionBuffer
 log = logging.getLogger("laminar.relay")
 
 OFFER, HAVE, CHUNK, NACK, COMPLETE, PING, PONG, REQUEST, REPLY = range(1, 10)
+DELTA_CHUNK = 10  # a chunk encoded against the offer's base version (delta.py)
+REFUSED = 2  # HAVE's index when the receiver cannot take a delta (it lacks the base)
 FRAME = struct.Struct("!BIqIQ")
 MAX_META_BYTES = 256 << 20  # an OFFER's header or a REQUEST is never larger than this
 HELLO = b"LMR1"

@@ -71,6 +71,7 @@ def engine_factory(cfg: Config, model_dir: str, tokenizer: Any, version: int, se
     def make(model: torch.nn.Module | None = None) -> RolloutEngine:
         if model is None:
             model, _ = load_pretrained(model_dir, cfg.model.attn_implementation)
+        model = model.to(torch.bfloat16 if cfg.rollout.engine.dtype == "bf16" else torch.float32)
         if cfg.rollout.engine.backend == "native":
             model = model.to(device)
         # vllm: left on the host; vLLM loads the saved copy on its own device (module docstring)

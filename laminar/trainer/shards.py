@@ -37,7 +37,8 @@ _TOGETHER: dict[str, bool] = {}  # rank 0: directory -> every rank sees it (the 
 
 def version_header(trainer: Any, version: int, chunk_bytes: int) -> VersionHeader:
     """The layout `Pusher.push(trainer.named_weights())` would make: full shapes, in order."""
-    return layout(((name, str(p.dtype).removeprefix("torch."), tuple(p.shape))
+    dtype = trainer.publish_dtype
+    return layout(((name, str(dtype or p.dtype).removeprefix("torch."), tuple(p.shape))
                    for name, p in trainer.module.named_parameters()), version, chunk_bytes)
 
 
@@ -82,6 +83,7 @@ def write_rows(trainer: Any, path: str, raw: bytes) -> dict[int, int]:
             rows, first = _my_rows(p, ranks.rank, ranks.world_size)
             if rows.numel():
                 start = entry.offset + first * (entry.nbytes // entry.shape[0])
+                rows = rows.to(getattr(torch, entry.dtype))  # trainer.publish_dtype's cast
                 flat[start:start + rows.numel() * rows.element_size()].copy_(
                     rows.contiguous().reshape(-1).view(torch.uint8))
     del flat
@@ -114,7 +116,7 @@ def gather_rows(trainer: Any, path: str, raw: bytes) -> dict[int, int]:
                 full = p
             if lead:
                 flat[entry.offset:entry.offset + entry.nbytes].copy_(
-                    full.contiguous().reshape(-1).view(torch.uint8))
+                    full.to(getattr(torch, entry.dtype)).contiguous().reshape(-1).view(torch.uint8))
     if not lead:
         return {}
     del flat

@@ -61,6 +61,7 @@ from laminar.trainer.shards import push_from_shards
 from laminar.types import Trajectory
 
 log = logging.getLogger("laminar.trainer")
+PUBLISH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # trainer.publish_dtype
 
 
 class NonFiniteTraining(RuntimeError):
@@ -349,7 +350,15 @@ class Trainer:
         with trainer.lora only the adapters (`adapter_weights`)."""
         if self.cfg.lora is not None:
             return self.adapter_weights()
-        return {name: p.detach() for name, p in self.module.named_parameters()}
+        dtype = self.publish_dtype
+        return {name: p.detach() if p.dtype == dtype or dtype is None else p.detach().to(dtype)
+                for name, p in self.module.named_parameters()}
+
+    @property
+    def publish_dtype(self) -> torch.dtype | None:
+        """trainer.publish_dtype as a torch dtype; None (`auto` unresolved, as in a bare
+        TrainerConfig): the master weights' own."""
+        return PUBLISH_DTYPES.get(self.cfg.publish_dtype)
 
     def lora_layers(self) -> dict[str, Any]:
         """trainer.lora: the adapted layers by the base model's dotted module name."""
