@@ -186,13 +186,7 @@ class ModelRunner:
         ids = torch.tensor([t for feed in feeds for t in feed], device=dev)
         pos = torch.tensor([s + j for s, n in zip(starts, lengths) for j in range(n)], device=dev)
         slots = torch.tensor([r for r, n in enumerate(lengths) for _ in range(n)], device=dev)
-        pad, valid, offset = [], [], 0
-        for row, n in enumerate(lengths):
-            pad.extend(offset + min(j, n - 1) for j in range(width))
-            valid.extend(row * width + j for j in range(n))
-            offset += n
-        pad_index = torch.tensor(pad, device=dev)
-        valid_index = torch.tensor(valid, device=dev)
+        pad_index, valid_index = _pad_valid(lengths, width, dev)
         # query (row, j) sees keys 0..starts[row] + j: [rows * kv_heads, width * group, longest]
         keys = torch.arange(longest, device=dev)
         last = (torch.tensor(starts, device=dev)[:, None]
@@ -292,13 +286,7 @@ class _AttentionPlan:
         if lengths:
             final_bias = _length_bias(positions + [n_ - 1 for n_ in lengths], kv_heads, dtype,
                                       device)
-            pad, valid, offset = [], [], 0
-            for row, length in enumerate(lengths):
-                pad.extend(offset + min(p, length - 1) for p in range(width))
-                valid.extend(row * width + p for p in range(length))
-                offset += length
-            pad_index = torch.tensor(pad, device=device)
-            valid_index = torch.tensor(valid, device=device)
+            pad_index, valid_index = _pad_valid(lengths, width, device)
         return _AttentionPlan(n, len(lengths), decode_bias, final_bias, width, pad_index,
                               valid_index)
 
@@ -361,3 +349,14 @@ def check_supported(config) -> None:
             and window < config.max_position_embeddings):
         raise ValueError("sliding-window attention is not supported by the native engine; use "
                          "rollout.engine.backend=vllm or a config without sliding_window")
+
+
+def _pad_valid(lengths: list[int], width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `lengths` tokens packed one after another -> (index padding them to `width`
+    columns, repeating each row's last token; index of the real tokens in that padded layout)."""
+    pad, valid, offset = [], [], 0
+    for row, n in enumerate(lengths):
+        pad.extend(offset + min(j, n - 1) for j in range(width))
+        valid.extend(row * width + j for j in range(n))
+        offset += n
+    return torch.tensor(pad, device=device), torch.tensor(valid, device=device)
