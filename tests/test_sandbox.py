@@ -564,3 +564,28 @@ def test_observation_without_a_process():
     r = RunResult("", "killed", -9, "killed by signal 9 (SIGKILL)", 0.1, False)
     assert r.observation() == "killed by signal 9 (SIGKILL)"
     assert RunResult("a\n", "ok", 0, None, 0.1, False).observation() == "a\n"
+
+
+def test_a_test_sandbox_that_was_only_slow_to_start_is_asked_again(monkeypatch):
+    """A busy machine delayed the backend's test run past its ready timeout: that call fails
+    with SandboxSlow, nothing is cached, and the next call finds the backend (before, the
+    timeout was cached as "no isolation" and every later tool call of the process failed)."""
+    from laminar.sandbox import pool
+    from laminar.sandbox.result import SandboxSlow
+
+    monkeypatch.setattr(pool, "_probes", {"bwrap": "bubblewrap (bwrap) is not installed"})
+    monkeypatch.setattr(pool, "_slow", set())
+    real_start, calls = pool.SandboxProc.start, []
+
+    def start(backend, cfg):
+        calls.append(backend)
+        if len(calls) == 1:
+            raise SandboxSlow(f"sandbox ({backend}) not ready after 30 s")
+        return real_start(backend, cfg)
+
+    monkeypatch.setattr(pool.SandboxProc, "start", staticmethod(start))
+    with pytest.raises(SandboxSlow, match="slow to start.*next one tries again"):
+        resolve_backend(SandboxConfig())
+    assert "unshare" not in pool._probes
+    assert resolve_backend(SandboxConfig()) == "unshare" and calls == ["unshare", "unshare"]
+    assert pool._probes["unshare"] is None and not pool._slow

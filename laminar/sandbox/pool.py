@@ -17,7 +17,7 @@ from typing import Callable
 
 from laminar.config import SandboxConfig
 from laminar.sandbox.proc import SandboxProc
-from laminar.sandbox.result import RunResult, SandboxError
+from laminar.sandbox.result import RunResult, SandboxError, SandboxSlow
 from laminar.sandbox.zygote import Zygote
 
 log = logging.getLogger(__name__)
@@ -25,12 +25,15 @@ log = logging.getLogger(__name__)
 ARUN_THREADS = 64  # arun() calls of one Sandbox waiting or running at once
 _probe_lock = threading.Lock()
 _probes: dict[str, str | None] = {}  # backend -> None (works) or why it does not
+_slow: set[str] = set()  # backends whose latest test run was only slow to start (not cached)
 _warned_unsafe = False
 
 
 def probe(backend: str) -> str | None:
     """None when `backend` can start a sandbox here, else why not. Tried once per process (a
-    real sandbox running `print('ok')`), then cached."""
+    real sandbox running `print('ok')`), then cached — except a test sandbox that was only slow
+    to start (SandboxSlow: a busy machine says nothing about isolation), which is asked again at
+    the next call instead of failing every later tool call of the process."""
     with _probe_lock:
         if backend in _probes:
             return _probes[backend]
@@ -42,10 +45,16 @@ def probe(backend: str) -> str | None:
                 r = SandboxProc.start(backend, SandboxConfig()).run("print('ok')", 20.0)
                 why = None if (r.status, r.stdout) == ("ok", "ok\n") else (
                     f"a test run gave status {r.status}: {r.observation().strip()[:300]}")
+            except SandboxSlow as e:
+                _slow.add(backend)
+                log.warning("sandbox: the %s test run was slow to start (%s); asking again at "
+                            "the next call", backend, e)
+                return str(e)
             except SandboxError as e:
                 why = str(e)
             except OSError as e:
                 why = f"{type(e).__name__}: {e}"
+        _slow.discard(backend)
         _probes[backend] = why
         return why
 
@@ -78,6 +87,11 @@ def resolve_backend(cfg: SandboxConfig) -> str:
         if why is None:
             return cand
         reasons.append(f"{cand}: {why}")
+    slow = [c for c in ("bwrap", "unshare") if c in _slow]
+    if slow:  # not a verdict on this machine: this call fails, the next one tries again
+        raise SandboxSlow(f"sandbox.backend=auto: the {slow[0]} sandbox was slow to start on a "
+                          f"busy machine ({'; '.join(reasons)}); this call fails and the next one "
+                          "tries again")
     if cfg.allow_unsafe:
         if not _warned_unsafe:
             _warned_unsafe = True

@@ -43,7 +43,7 @@ import weakref
 from pathlib import Path
 
 from laminar.config import SandboxConfig
-from laminar.sandbox.result import RunResult, SandboxError
+from laminar.sandbox.result import RunResult, SandboxError, SandboxSlow
 
 log = logging.getLogger(__name__)
 
@@ -430,7 +430,7 @@ class SandboxProc:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.kill()
-                raise SandboxError(f"sandbox ({self.backend}) not ready after {timeout_s:g} s")
+                raise SandboxSlow(f"sandbox ({self.backend}) not ready after {timeout_s:g} s")
             wait = left if self._end_fds() else min(left, 0.05)
             r, _, _ = select.select(fds, [], [], wait)
             if self.ctl_r in r and not self._read_ctl():

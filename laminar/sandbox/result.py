@@ -12,6 +12,11 @@ class SandboxError(RuntimeError):
     failed to start, a closed Sandbox). Never raised for anything the untrusted code does."""
 
 
+class SandboxSlow(SandboxError):
+    """A sandbox that did not become ready in time: the machine was busy, not the isolation
+    missing. Nobody caches it as an answer about this machine (pool.probe asks again later)."""
+
+
 @dataclass
 class RunResult:
     """One run of untrusted code.
