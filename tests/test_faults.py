@@ -232,6 +232,7 @@ def test_a_killed_trainer_restarts_from_its_checkpoint_and_loses_no_data(tmp_pat
     assert mark["requeued_groups"] >= len(lost)
 
 
+@pytest.mark.slow  # the default suite kills the full-weights trainer twice (mid-step, after a checkpoint)
 def test_a_killed_lora_trainer_restarts_on_the_rollouts_base(tmp_path, ray_cluster):
     """trainer.lora: a trainer killed after a checkpoint restarts from it (built again on the
     run's start weights, its LoRA base, then the checkpoint's adapters and optimizer state), so

@@ -95,10 +95,13 @@ def test_laminar_job_trains_across_three_nodes(cluster, tmp_path):
     for wid, ip in procs["rollout_nodes"].items():  # each rollout reads its own node's relay
         relay = procs["rollout_relay"][wid]
         assert ip in workers and procs["relay_addresses"][relay].startswith(ip + ":"), (wid, ip, relay)
-    # every version reached the workers over their veths: at least a few whole models each
+    # versions reached the workers over their veths: each node received more than a whole model
+    # (the starting weights, then versions whole or as deltas: relay.full_every, docs/relay.md);
+    # and a laminar rollout that never got a new version could not have trained 8 updates
+    # (it drains at rollout.version_lag until its local relay has one)
     model_bytes = (tmp_path / "run" / "initial_model" / "model.safetensors").stat().st_size
     received = {ip: n - before[ip] for ip, n in _veth_rx_bytes(cluster).items()}
-    assert all(n > 3 * model_bytes for n in received.values()), (received, model_bytes)
+    assert all(n > 1.5 * model_bytes for n in received.values()), (received, model_bytes)
 
 
 @pytest.mark.slow  # a start-up error across nodes; the default suite keeps the three-node job

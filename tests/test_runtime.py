@@ -49,9 +49,9 @@ def _trained(run_dir):
     return [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
 
 
-# one_step and stream run in the slow set: their policies are the global batch's (unit-tested in
-# test_rollout_loop), the default suite keeps sync, partial and laminar end to end on Ray
-SLOW_MODES = ("one_step", "stream")
+# one_step, stream and partial run in the slow set: their policies are unit-tested in
+# test_rollout_loop; the default suite keeps sync and laminar end to end on Ray
+SLOW_MODES = ("one_step", "stream", "partial")
 
 
 @pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_MODES else m

@@ -23,6 +23,7 @@ from waiting import until
 TWO = ["trainer.world_size=2", "trainer.threads=1"]
 
 
+@pytest.mark.slow  # two ranks = one rank is pinned by test_trainer_dist in the default suite
 def test_laminar_train_with_two_trainer_ranks(tmp_path, ray_cluster):
     cfg = load_config(None, TINY + TWO + ["mode=laminar", f"run_dir={tmp_path}",
                                           "trainer.checkpoint_every=2"])
