@@ -165,7 +165,7 @@ def mode_steps(mode: str, steps: int) -> int:
 
 
 def run_mode(mode: str, steps: int, root: Path, overrides: list[str] = (),
-             task: str = "reverse") -> dict[str, Any]:
+             task: str = "reverse", metric: str = "greedy_exact_match") -> dict[str, Any]:
     """One training run of `mode` (mode_steps of `steps`); everything the benchmark reports."""
     steps = mode_steps(mode, steps)
     cfg = bench_config(mode, steps, root / mode, overrides, task)
@@ -179,7 +179,7 @@ def run_mode(mode: str, steps: int, root: Path, overrides: list[str] = (),
     hist: Counter = Counter()
     for r in rows:
         hist.update({int(k): v for k, v in r["staleness_hist"].items()})
-    curve = learning.heldout_curve(read_rows(cfg.resolved_run_dir))
+    curve = learning.heldout_curve(read_rows(cfg.resolved_run_dir), metric)
     return {"throughput": throughput(rows), "heldout": curve, "reward_curve": reward_curve(rows),
             "heldout_start": curve[0][2] if curve and curve[0][1] == 0 else None,
             "heldout_final": curve[-1][2] if curve and curve[-1][1] == steps else None,

@@ -40,7 +40,7 @@ from laminar.bench import learning
 from laminar.bench.modes import QUICK_STEPS, WORKLOADS, bench_config, mode_steps, rotated, run_mode
 from laminar.config import ConfigError, TrainerConfig
 from laminar.config.trainer import CORRECTION_PARAMS
-from laminar.metrics import read_metrics, read_rows
+from laminar.metrics import read_metrics
 from laminar.provenance import provenance
 from laminar.runtime import ray_env_defaults
 
@@ -90,12 +90,8 @@ def run_cell(lag: int, correction: str, steps: int, root: Path, overrides: list[
              task: str, metric: str = METRIC) -> dict[str, Any]:
     """One laminar run at `lag` with `correction`: `bench modes`' run_mode plus the step rows'
     mismatch medians; the held-out curve on `metric`."""
-    result = run_mode("laminar", steps, root, overrides + cell_overrides(lag, correction), task)
-    if metric != METRIC:
-        curve = learning.heldout_curve(read_rows(root / "laminar"), metric)
-        result |= {"heldout": curve,
-                   "heldout_start": curve[0][2] if curve and curve[0][1] == 0 else None,
-                   "heldout_final": curve[-1][2] if curve and curve[-1][1] == result["steps"] else None}
+    result = run_mode("laminar", steps, root, overrides + cell_overrides(lag, correction), task,
+                      metric)
     return {**result, **step_medians(read_metrics(root / "laminar"))}
 
 
