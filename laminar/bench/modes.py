@@ -283,8 +283,6 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
          steps: int | None = None, overrides: list[str] | None = None,
          repeats: int | None = None, control: bool | None = None,
          predicted: str | None = None, task: str = "reverse") -> dict[str, Any]:
-    import os
-
     import ray
 
     chosen = parse_modes(modes)
