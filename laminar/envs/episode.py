@@ -42,7 +42,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +97,7 @@ class EnvRunner:
 
 
 _RUNNER = EnvRunner()  # one per process: every rollout loop and evaluator in it shares it
+TIMEOUT_SCAN_S = 0.1  # how often `Episodes.poll` looks for calls over their timeout
 
 
 @dataclass
@@ -151,6 +152,12 @@ class Episodes:
         self.template = TurnTemplate(tokenizer)
         self.stops = stop_sequences(tokenizer, tuple(task.stop))
         self.live: dict[str, Episode] = {}  # every episode begun and not ended
+        self.calling: dict[str, Episode] = {}  # those in an environment call
+        # calls that returned, appended by the environment thread (a done callback): `poll`
+        # handles these instead of asking every pending call whether it is done, which cost
+        # more CPU than the engine on a rollout with hundreds of episodes in their tools
+        self.arrived: deque[tuple[Episode, cf.Future]] = deque()
+        self.next_timeout_scan = 0.0
         self.ready: list[Episode] = []  # their call returned: next turn to decode
         self.ended: list[Ended] = []
         self.latencies: list[float] = []  # seconds per environment step call, since the last take
@@ -207,7 +214,7 @@ class Episodes:
     @property
     def num_waiting(self) -> int:
         """Episodes in an environment call."""
-        return sum(1 for ep in self.live.values() if ep.call is not None)
+        return len(self.calling)
 
     @property
     def num_outside_engine(self) -> int:
@@ -247,37 +254,51 @@ class Episodes:
         for ep in self.live.values():
             self._close_env(ep)
         self.live.clear()
+        self.calling.clear()
 
     # ---------------------------------------------------------------- environment calls
 
     def _call(self, ep: Episode, kind: str, coro: Any) -> None:
         ep.call_kind, ep.call_at = kind, time.monotonic()
-        ep.call = self.runner.submit(coro)
+        ep.call = call = self.runner.submit(coro)
+        self.calling[ep.request.request_id] = ep
+        call.add_done_callback(lambda done: self.arrived.append((ep, done)))
 
     def poll(self) -> None:
+        """Handle the environment calls that returned since the last poll; end the episodes
+        whose call outlived `timeout_s` (looked for every TIMEOUT_SCAN_S)."""
         now = time.monotonic()
-        for ep in list(self.live.values()):
-            call = ep.call
-            if call is None:
+        while self.arrived:
+            ep, call = self.arrived.popleft()
+            if ep.call is not call:  # timed out (and cancelled) before, or ended elsewhere
                 continue
-            if not call.done():
-                if now - ep.call_at > self.timeout_s:
-                    call.cancel()
-                    self.runner.restart_if_blocked()
-                    self._fail(ep, "env_timeout", f"{ep.call_kind} took over {self.timeout_s:g} s "
-                               "(task.env_timeout_s)")
-                continue
-            ep.call = None
-            try:
-                result = call.result()
-            except Exception as e:  # a user's environment may raise anything
-                self._fail(ep, "env_error", f"{ep.call_kind} raised {type(e).__name__}: {e}")
-                continue
-            if ep.call_kind == "reset":
-                self._after_reset(ep, result)
-            else:
-                self.latencies.append(now - ep.call_at)
-                self._after_step(ep, result)
+            self._returned(ep, call, now)
+        if now >= self.next_timeout_scan:
+            self.next_timeout_scan = now + TIMEOUT_SCAN_S
+            for ep in [ep for ep in self.calling.values() if now - ep.call_at > self.timeout_s]:
+                call = ep.call
+                self._clear_call(ep)
+                call.cancel()
+                self.runner.restart_if_blocked()
+                self._fail(ep, "env_timeout", f"{ep.call_kind} took over {self.timeout_s:g} s "
+                           "(task.env_timeout_s)")
+
+    def _clear_call(self, ep: Episode) -> None:
+        ep.call = None
+        self.calling.pop(ep.request.request_id, None)
+
+    def _returned(self, ep: Episode, call: cf.Future, now: float) -> None:
+        self._clear_call(ep)
+        try:
+            result = call.result()
+        except Exception as e:  # a user's environment may raise anything
+            self._fail(ep, "env_error", f"{ep.call_kind} raised {type(e).__name__}: {e}")
+            return
+        if ep.call_kind == "reset":
+            self._after_reset(ep, result)
+        else:
+            self.latencies.append(now - ep.call_at)
+            self._after_step(ep, result)
 
     def _after_reset(self, ep: Episode, observation: Any) -> None:
         tokens = isinstance(ep.env, TokenEnv)
@@ -338,6 +359,7 @@ class Episodes:
 
     def _end(self, ep: Episode, failed: str | None = None, error: str | None = None) -> None:
         self.live.pop(ep.request.request_id, None)
+        self._clear_call(ep)
         req = ep.request
         exact = bool(ep.info.get("exact_match", ep.reward >= 1.0)) if not failed else False
         self.ended.append(Ended(req, ep.group, 0.0 if failed else ep.reward, exact, ep.turns,

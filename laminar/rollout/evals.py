@@ -86,22 +86,26 @@ class Evaluator:
         if self.job is None:
             return self._start(weights)
         if self.episodes is not None:
-            self._step_episodes()
+            progressed = self._step_episodes()
         else:
+            progressed = True
             for delta in self.engine.step():
                 if delta.finish_reason is not None and delta.request_id in self.requests:
                     self.left -= 1
         if self.left == 0:
             self._finish()
-        return True
+        return progressed
 
-    def _step_episodes(self) -> None:
-        _, ended = step_episodes(self.engine, self.episodes)
+    def _step_episodes(self) -> bool:
+        """False when every episode of the evaluation is in its environment: the loop may nap
+        (it spun a core at 100% through a tool-heavy evaluation before)."""
+        stepped, ended = step_episodes(self.engine, self.episodes)
         for e in ended:
             if e.request.request_id in self.requests:
                 self.outcomes[e.request.request_id] = (e.reward, e.exact_match)
                 self.left -= 1
         self.episodes.take_stats()  # the evaluation's latencies are not the run's
+        return stepped or bool(ended)
 
     def close(self) -> None:
         """Free the evaluation's engine (a later evaluation builds a fresh one)."""

@@ -14,6 +14,7 @@ memory, so it serves both.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -169,13 +170,19 @@ class BoardWeights:
 
 
 class RelayWeights:
-    """The relay on this rollout's node, read through shared memory (no RPC, no Ray)."""
+    """The relay on this rollout's node, read through shared memory (no RPC, no Ray).
+    `newest` reads the relay's pointer file at most every `every_s` (the loop asks every step,
+    hundreds of times a second; versions come seconds apart)."""
 
-    def __init__(self, relay: dict[str, Any], cfg: Any) -> None:
+    def __init__(self, relay: dict[str, Any], cfg: Any, every_s: float = 0.02) -> None:
         self.puller = Puller(RelayInfo.from_dict(relay), cfg)
+        self.every_s, self.read_at, self.last = every_s, float("-inf"), None
 
     def newest(self) -> int | None:
-        return self.puller.newest_version()  # one small file read
+        now = time.monotonic()
+        if now - self.read_at >= self.every_s:
+            self.read_at, self.last = now, self.puller.newest_version()  # one small file read
+        return self.last
 
     def load_newest(self, engine: WeightTarget, newer_than: int) -> int | None:
         return self.puller.pull_latest(engine, newer_than=newer_than)

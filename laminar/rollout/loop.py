@@ -150,7 +150,8 @@ class RolloutLoop:
             if self.engine.has_unfinished():
                 self.timeline.mark("generate", self.engine.version)
             else:
-                self.timeline.mark("eval" if evaluated else "idle", self.engine.version)
+                busy = evaluated or (self.evaluator is not None and self.evaluator.job is not None)
+                self.timeline.mark("eval" if busy else "idle", self.engine.version)
         return decoded or handed or evaluated
 
     def run(self, stop: threading.Event) -> None:

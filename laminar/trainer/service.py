@@ -43,6 +43,11 @@ from laminar.trainer.ranks import Ranks
 from laminar.trainer.trainer import NonFiniteTraining, Trainer
 from laminar.types import Trajectory
 
+# The trainer's wait for data asks the buffer again after a nap that grows from the first to
+# the second number: an idle trainer asked 200 times a second before, a Ray call each, whose CPU
+# on both sides (trainer and buffer) came out of the cores the rollouts were generating on.
+WAIT_NAP_S = (0.005, 0.025)
+
 
 def drop_torn_last_line(path: Path, block: int = 1 << 16) -> None:
     """Cut a JSONL file back to its last complete line (a process killed mid-append). Reads
@@ -188,6 +193,7 @@ class TrainerService:
         `stop()` ends the wait only when `interruptible`."""
         t0, wall = time.perf_counter(), time.time()
         deadline = time.monotonic() + self.cfg.cluster.wait_timeout_s
+        nap = WAIT_NAP_S[0]
         while True:
             groups = self.data.sample(num_groups, self.trainer.version)
             if groups is not None:
@@ -204,7 +210,8 @@ class TrainerService:
                     f"complete groups; the experience buffer has {counts['ready_groups']} ready and "
                     f"{counts['filling_groups']} filling: the rollouts are stuck or too slow "
                     "(raise cluster.wait_timeout_s if they are just slow)")
-            time.sleep(0.005)
+            time.sleep(nap)  # each ask is a call to the buffer's process: back off
+            nap = min(WAIT_NAP_S[1], nap * 1.5)
 
     def train_once(self) -> dict[str, Any]:
         """One global batch: wait for it, train on it, push the new version, log."""
