@@ -60,8 +60,11 @@ class EngineConfig(Section):
 
 class RolloutConfig(Section):
     num_workers: int = Field(1, ge=1, description="Rollout workers (each owns one engine).")
-    batch_groups: int = Field(8, ge=1, description="Prompt groups one rollout keeps in flight "
-                              "(laminar/partial modes): it tops up to this many as groups finish.")
+    batch_groups: int = Field(8, ge=1, description="Prompt groups one rollout keeps generating "
+                              "(laminar/partial modes): it tops up to this many as groups finish. "
+                              "Episodes waiting on their environment (a tool call) do not count, "
+                              "as trajectories waiting on their reward do not; "
+                              "rollout.max_outstanding_batches bounds them all.")
     max_outstanding_batches: float = Field(
         1.5, ge=1.0, description="Admission control of the free-running modes (laminar, partial): "
         "rollouts lease new prompts only while fewer than this many global batches of groups are "

@@ -178,7 +178,12 @@ class RolloutLoop:
             self.sync_to = None
         size = self.cfg.group_size
         active = self.num_active
-        free = (self.cfg.batch_groups * size - active) // size - len(self.leased)
+        # rollout.batch_groups bounds the work this engine generates: an episode waiting on its
+        # tool does not count, as a one-turn trajectory waiting on its reward does not (the
+        # prompt pool's admission control bounds them all); it still holds the weights (pull)
+        episodes = self.finisher.episodes
+        generating = active - (episodes.num_waiting if episodes is not None else 0)
+        free = (self.cfg.batch_groups * size - generating) // size - len(self.leased)
         decision = self.policy.decide(LoopState(
             version=version, newest=self.newest, sync_to=self.sync_to,
             num_in_flight=active, num_leased=len(self.leased),
