@@ -60,6 +60,11 @@ class Blocks(Echo):
         time.sleep(10.0)  # blocks the environment thread: a bug the runner survives
         return StepResult("", 0.0, True, {})
 
+class Slow(Echo):
+    async def step(self, text):
+        await asyncio.sleep(1.0)
+        return StepResult("", 1.0, True, {})
+
 class BadReset(Echo):
     async def reset(self, sample):
         raise ValueError("no such sample")
@@ -297,6 +302,25 @@ def test_rollout_loop_runs_episodes_and_repack_moves_them_with_their_environment
     assert b.counters.adopted == len(moved) and a.counters.exported == len(moved)
     records = a.take_records()
     assert records["turns"] or b.take_records()["turns"]
+
+
+def test_episodes_in_their_tools_do_not_hold_back_new_groups(env_dir):
+    """rollout.batch_groups bounds what the engine generates: while a group's episodes wait on
+    a slow tool, the next group starts (it waited for the tool before); the group in its tool
+    still holds the weights, and the tool's answer arrives without a poll of every call."""
+    cfg = config(env_dir, "Slow", "rollout.batch_groups=1", "task.env_timeout_s=30")
+    world = World(cfg)
+    a = world.loop("a")
+    episodes = a.finisher.episodes
+    stepping("the first group's two episodes to wait on their tool", a.step,
+             lambda: episodes.num_waiting == 2)
+    first = set(episodes.calling)
+    stepping("a second group to start while the first waits", a.step,
+             lambda: a.counters.batches >= 2)
+    assert first <= set(episodes.calling)  # the first group is still in its tool
+    assert a.num_active > 2
+    stepping("both groups in the buffer", a.step, lambda: len(world.buffer.complete) >= 2)
+    assert all(t.failed is None for g in world.buffer.complete for t in g)
 
 
 def test_a_reward_is_the_one_turn_case_of_the_environment_api():
