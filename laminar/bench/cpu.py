@@ -3,7 +3,10 @@
 Samples every process of the embedded Ray cluster (and the driver) twice a second and groups
 their CPU time by component: Ray actors by class (`ray::RolloutActor...` → `RolloutActor`),
 Ray's own daemons by name, the driver as `driver`. A process that exits between samples keeps
-the CPU time of its last sample.
+the CPU time of its last sample. `machine_s` is the whole machine's busy CPU over the same
+time (all cores, from the kernel's counters); what the components do not explain, `rest`, is
+mostly the sandbox's programs (short-lived processes the sampling misses) and anything else
+running on the machine.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class CpuMeter:
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.seconds: dict[str, float] = {}
         self.wall_s = 0.0
+        self.machine_s = 0.0  # busy CPU seconds of the whole machine (every core)
 
     def _sample(self, first: bool = False) -> None:
         for p in psutil.process_iter(["cmdline", "cpu_times"]):
@@ -64,7 +68,7 @@ class CpuMeter:
 
     def __enter__(self) -> "CpuMeter":
         self._sample(first=True)
-        self.t0 = time.monotonic()
+        self.t0, self.busy0 = time.monotonic(), _busy_s()
         self.thread.start()
         return self
 
@@ -73,7 +77,18 @@ class CpuMeter:
         self.thread.join()
         self._sample()
         self.wall_s = time.monotonic() - self.t0
+        self.machine_s = round(_busy_s() - self.busy0, 2)
         total: Counter = Counter()
         for pid, (name, used) in self.last.items():
             total[name] += used - self.start.get(pid, 0.0)
         self.seconds = {k: round(v, 2) for k, v in total.most_common() if v > 0.05}
+
+    @property
+    def rest_s(self) -> float:
+        """Busy CPU of the machine that no component's processes account for."""
+        return round(max(0.0, self.machine_s - sum(self.seconds.values())), 2)
+
+
+def _busy_s() -> float:
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)

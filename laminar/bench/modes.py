@@ -189,6 +189,7 @@ def run_mode(mode: str, steps: int, root: Path, overrides: list[str] = (),
             "env_latency_s": [x for r in rows for x in r.get("env_latency_s") or []],
             "turns": [x for r in rows for x in r.get("turns") or []],
             "cpu": {"wall_s": round(cpu.wall_s, 1), "seconds": cpu.seconds,
+                    "machine_s": cpu.machine_s, "rest_s": cpu.rest_s,
                     "per_trained_ktoken": round(sum(cpu.seconds.values()) * 1000
                                                 / sum(r["batch_tokens"] for r in rows), 3)}}
 

@@ -71,9 +71,13 @@ def print_tables(report: dict[str, Any], other_steps: int, breakdown_keys: tuple
     cpu = Table(title="where the CPU goes (CPU seconds over each mode's first run)")
     parts = ("TrainerActor", "RolloutActor", "PromptPool", "ExperienceBuffer", "PartialPool",
              "ManagerActor", "Relay", "driver", "ray daemons")
-    for col in ("mode", "wall s", *parts, "CPU s per 1k trained tokens"):
+    for col in ("mode", "wall s", *parts, "rest (sandbox programs, others)", "machine cores busy",
+                "CPU s per 1k trained tokens"):
         cpu.add_column(col)
     for m, c in report["cpu_by_mode"].items():
+        busy = c.get("machine_s")  # older result files have no machine-wide figure
         cpu.add_row(m, f"{c['wall_s']:.0f}", *(f"{c['seconds'].get(p, 0):.1f}" for p in parts),
+                    f"{c['rest_s']:.1f}" if busy is not None else "-",
+                    f"{busy / c['wall_s']:.2f}" if busy is not None else "-",
                     f"{c['per_trained_ktoken']:.3f}")
     console.print(cpu)
