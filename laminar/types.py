@@ -203,6 +203,8 @@ class RolloutCounters:
     pull_s: float = 0.0  # time spent copying new weights in
     busy_s: float = 0.0  # engine steps
     idle_s: float = 0.0  # nothing to decode (waiting for prompts, weights or the environment)
+    drain_idle_s: float = 0.0  # the part of idle_s spent draining: admitting nothing, waiting for
+    # the work in flight (episodes in their tools) to end before the newest weights can load
     swaps: int = 0  # interruptions of in-flight work for new weights (partial rollout)
     reprefill_tokens: int = 0  # context tokens re-prefilled for trajectories that arrived with
     # tokens already generated (a repack or failover move, a partial-rollout swap)

@@ -52,7 +52,8 @@ def test_every_mode_leads_off_once_over_as_many_repeats():
 def fake_run(throughput: float, curve: list[list[float]], steps: int = 10) -> dict:
     return {"throughput": throughput, "heldout": curve, "reward_curve": [(1.0, 0.5)],
             "heldout_start": curve[0][2], "heldout_final": curve[-1][2] if curve[-1][1] == steps else None,
-            "train_wall_s": curve[-1][0], "staleness": {0: 1}, "breakdown": {}, "cpu": {},
+            "train_wall_s": curve[-1][0], "wall_s": curve[-1][0] + 20.0, "steps": steps,
+            "staleness": {0: 1}, "breakdown": {}, "cpu": {},
             "old_logprobs": "rollout", "correction": "none"}
 
 
@@ -73,6 +74,9 @@ def test_summary_of_repeats_gives_the_target_and_who_reached_it_when():
     assert s["ratio_laminar_vs"]["sync"] == pytest.approx(3.0)
     assert s["ratio_laminar_vs_range"]["sync"] == pytest.approx([3.0, 3.0])
     assert s["heldout_by_mode"]["laminar"] == lam[1]["heldout"]  # the median run's curve
+    # the whole run (its start-up too) per update: median of (20 + the last eval's time) / 10
+    assert s["run_wall_s_per_update_by_mode"] == {"laminar": pytest.approx(4.4),
+                                                  "sync": pytest.approx(12.0)}
 
 
 def test_no_held_out_gain_means_no_target_not_zero_seconds():

@@ -24,7 +24,8 @@ without tool latency). Ratios are paired per repeat and reported as median and m
 
 JSON keys (docs/performance.md): heldout_by_mode, heldout_start, heldout_target,
 time_to_heldout_target_s_by_mode, repeats, ratio_laminar_vs (medians), ratio_laminar_vs_range,
-throughput_by_mode, control_env_latency_off, trl, provenance; and, per mode and repeat,
+throughput_by_mode, run_wall_s_per_update_by_mode (the whole run, start to exit, per update),
+control_env_latency_off, trl, provenance; and, per mode and repeat,
 everything measured (`runs`).
 """
 
@@ -138,7 +139,7 @@ def throughput(rows: list[dict[str, Any]]) -> float:
 
 
 BREAKDOWN = ("update_interval_s", "train_s", "trainer_idle_frac", "rollout_idle_frac",
-             "gen_tokens_per_s", "push_stall_s", "pull_latency_s", "kv_util_mean")
+             "rollout_drain_idle_frac", "gen_tokens_per_s", "push_stall_s", "pull_latency_s", "kv_util_mean")
 
 
 def breakdown(rows: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -267,6 +268,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "staleness_hist_by_mode": {m: rs[0]["staleness"] for m, rs in runs.items()},
         "reward_curve_by_mode": {m: rs[0]["reward_curve"] for m, rs in runs.items()},
         "train_wall_s_by_mode": {m: [r["train_wall_s"] for r in rs] for m, rs in runs.items()},
+        # what a user waits for: the whole run (start to exit) per update, medians
+        "run_wall_s_per_update_by_mode": {m: float(np.median([r["wall_s"] / r["steps"] for r in rs]))
+                                          for m, rs in runs.items()},
         "breakdown_by_mode": {m: rs[0]["breakdown"] for m, rs in runs.items()},
         "cpu_by_mode": {m: rs[0]["cpu"] for m, rs in runs.items()},
         "old_logprobs_by_mode": {m: rs[0]["old_logprobs"] for m, rs in runs.items()},

@@ -30,7 +30,7 @@ def print_tables(report: dict[str, Any], other_steps: int, breakdown_keys: tuple
         table = Table(title=f"laminar bench modes, {title}: sync {report['steps']} steps, the others "
                             f"{other_steps}; {report['repeats']} repeats "
                             "(medians; min-max)")
-        for col in ("mode", "tok/s", "laminar/mode", "held-out start -> final",
+        for col in ("mode", "tok/s", "laminar/mode", "whole run s / update", "held-out start -> final",
                     f"time to held-out {fmt(target)}" if target is not None else learning.NO_GAIN,
                     "sync time / mode time", "staleness"):
             table.add_column(col)
@@ -43,6 +43,7 @@ def print_tables(report: dict[str, Any], other_steps: int, breakdown_keys: tuple
                 m, f"{s['throughput_by_mode'][m]:.0f}",
                 "-" if m == "laminar" or m not in s["ratio_laminar_vs"] else
                 f"{s['ratio_laminar_vs'][m]:.2f}x" + (f" ({rng[0]:.2f}-{rng[1]:.2f})" if rng else ""),
+                f"{s['run_wall_s_per_update_by_mode'][m]:.2f}" if "run_wall_s_per_update_by_mode" in s else "-",
                 "-" if final is None else f"{fmt(s['heldout_start'], '.2f')} -> {final['median']:.2f}",
                 "-" if m not in s["time_to_heldout_target_s_by_mode"] else
                 f"{ttt:.0f} s" if ttt is not None else "not reached",
@@ -62,7 +63,7 @@ def print_tables(report: dict[str, Any], other_steps: int, breakdown_keys: tuple
                       f"match at its end {t['final_heldout']:.2f}; laminar/TRL "
                       f"{report['ratio_laminar_vs']['trl']:.2f}x")
     detail = Table(title="where the time goes (means after warm-up, first repeat, env latency on)")
-    for col in ("mode", "step s", "train s", "trainer idle", "rollout idle", "gen tok/s",
+    for col in ("mode", "step s", "train s", "trainer idle", "rollout idle", "of it draining", "gen tok/s",
                 "push stall s", "pull s", "KV util", "repacks"):
         detail.add_column(col)
     for m, b in report["breakdown_by_mode"].items():

@@ -42,7 +42,7 @@ class RolloutActivity:
         previous rows (rates over that wall time), then the samples start afresh."""
         now = time.monotonic()
         wall, self.last_t = now - self.last_t, now
-        gen, idle, pulls, pull_s, gen_by = 0, 0.0, 0, 0.0, {}
+        gen, idle, drain_idle, pulls, pull_s, gen_by = 0, 0.0, 0.0, 0, 0.0, {}
         drafted = accepted = spec_steps = lookups = hits = 0
         for w, s in snaps.items():
             c, prev = s.counters, self.last_counters.get(w)
@@ -50,6 +50,7 @@ class RolloutActivity:
                 gen_by[w] = (c.generated_tokens - prev.generated_tokens) / wall if wall > 0 else None
                 gen += c.generated_tokens - prev.generated_tokens
                 idle += c.idle_s - prev.idle_s
+                drain_idle += c.drain_idle_s - prev.drain_idle_s
                 pulls += c.pulls - prev.pulls
                 pull_s += c.pull_s - prev.pull_s
                 drafted += c.spec_drafted_tokens - prev.spec_drafted_tokens
@@ -63,6 +64,7 @@ class RolloutActivity:
             "gen_tokens_per_s": gen / wall if wall > 0 else None,
             "gen_tokens_per_s_by_rollout": gen_by,
             "rollout_idle_frac": idle / (wall * max(1, len(snaps))) if wall > 0 else None,
+            "rollout_drain_idle_frac": drain_idle / (wall * max(1, len(snaps))) if wall > 0 else None,
             "kv_util_mean": float(np.mean(kv_all)) if kv_all else 0.0,
             "kv_util_by_rollout": {w: float(np.mean(v)) for w, v in self.kv_samples.items() if v},
             "pulls": pulls, "pull_latency_s": pull_s / pulls if pulls else None,

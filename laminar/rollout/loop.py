@@ -162,7 +162,10 @@ class RolloutLoop:
             t0 = time.perf_counter()
             self.wake.wait(IDLE_S if self.has_work or self.lease_pending else IDLE_QUIET_S)
             self.wake.clear()
-            self.counters.idle_s += time.perf_counter() - t0
+            napped = time.perf_counter() - t0
+            self.counters.idle_s += napped
+            if self.draining:
+                self.counters.drain_idle_s += napped
         self.settle(timeout_s=60.0)
 
     @property
