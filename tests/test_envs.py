@@ -323,6 +323,35 @@ def test_episodes_in_their_tools_do_not_hold_back_new_groups(env_dir):
     assert all(t.failed is None for g in world.buffer.complete for t in g)
 
 
+def test_an_evaluation_waiting_on_its_tools_lets_the_loop_nap(env_dir):
+    """A multi-turn evaluation whose episodes all wait on their tools has nothing to do: the
+    loop's step says so and the loop naps (it spun a core through every tool-heavy evaluation
+    before); the evaluation still finishes when the tools answer."""
+    from laminar.rollout.evals import EvalJob, Evaluator
+    from laminar.rollout.finish import make_episodes
+    from laminar.rollout.requests import sampling_params
+
+    cfg = config(env_dir, "Slow", "task.env_timeout_s=30")
+    world = World(cfg)
+    world.publish(0, seed=0)
+    loop = world.loop()
+    loop.held = True  # no training work: only the evaluation
+    loop.evaluator = Evaluator(lambda: Engine(copy.deepcopy(world.model), EOS_ID, PAD_ID,
+                                              max_batch_size=8, version=0),
+                               world.tokenizer, world.task,
+                               episodes=make_episodes(cfg, world.task, world.tokenizer))
+    loop.request_eval(EvalJob("e", 0, 0, world.task.eval[:2], sampling_params(cfg)))
+    episodes = loop.evaluator.episodes
+    stepping("every episode of the evaluation in its tool", loop.step,
+             lambda: len(episodes.calling) == 4 and all(
+                 ep.call_kind == "step" for ep in episodes.calling.values()))
+    assert not loop.step()  # nothing to decode until a tool answers (1 s)
+    results: list = []
+    stepping("the evaluation to finish", loop.step,
+             lambda: results.extend(loop.take_records()["evals"]) or results)
+    assert results[0]["num_prompts"] == 2 and results[0]["greedy_reward"] == 1.0
+
+
 def test_a_reward_is_the_one_turn_case_of_the_environment_api():
     """RewardEnv through the episode loop scores what the one-turn reward path scores."""
     from laminar.envs import RewardEnv
