@@ -116,6 +116,12 @@ def test_plan_drafts_pays_in_the_tail_not_in_a_full_batch():
     lengths = plan_drafts(16, [(4, 0.9)] * 8 + [(4, 0.3)] * 8, cost)
     assert lengths[:8] == [4] * 8 and sum(lengths[8:]) < 8 * 4
     assert plan_drafts(4, [(4, 0.0), (0, 0.9)], cost) == [0, 0]  # nothing worth drafting
+    # a verifying step's own overhead: paid back by four likely drafts, not by one unlikely one
+    overhead = speculation.VERIFY_OVERHEAD * cost(1)
+    assert plan_drafts(1, [(4, 0.9)], cost, overhead) == [4]
+    assert plan_drafts(1, [(1, 0.3)], cost, overhead) == [0]
+    assert speculation.may_pay(1, 4, 0.9, cost, overhead)
+    assert not speculation.may_pay(64, 256, 0.6, cost, overhead)
 
 
 # -- lossless ------------------------------------------------------------------------------------

@@ -167,7 +167,8 @@ class Engine:
         forks, prefills, followers = self._share(admitted, num_decode)
         num_decode += len(forks)  # a fork decodes its prompt's last token
         decoding = rows[:num_decode]
-        drafts = self._drafts(decoding) if self.drafter is not None and decoding else None
+        drafts = (self._drafts(decoding, bool(prefills))
+                  if self.drafter is not None and decoding else None)
         t0 = time.perf_counter()
         if drafts is None:
             widths = None
@@ -208,15 +209,22 @@ class Engine:
         return deltas + self._postprocess(rows, *self._verified(rows, drafts, widths, tokens,
                                                                 logprobs))
 
-    def _drafts(self, decoding: list[Sequence]) -> list[list[int]] | None:
+    def _drafts(self, decoding: list[Sequence], admits: bool) -> list[list[int]] | None:
         """A draft per decode row (speculation.py) within `speculation_tokens` fed tokens and
         the KV capacity, or None for a plain step. Which rows draft and how far is
-        `plan_drafts` on the step cost curve, asked twice: before the lookups, from each row's
-        k and acceptance (a full batch on a CPU stops there), and after, on what was drafted."""
+        `plan_drafts` on the step cost curve: first whether drafts could pay at all (`may_pay`,
+        from the best row's acceptance), then before the lookups from each row's k and
+        acceptance, and after them on what was drafted."""
         fixed = self.speculation_min_drafts is not None
         budget = self.speculation_tokens - len(decoding)
         if budget < (len(decoding) if fixed else 1):
             return None  # the fixed rule: worth it only where every row could have a draft
+        cost = self.step_cost
+        overhead = cost(1) * (speculative.VERIFY_OVERHEAD + admits)
+        if not fixed and not speculative.may_pay(  # a full batch on a CPU stops here
+                len(decoding), len(decoding) * self.drafter.max_draft,
+                max(seq.spec.p_accept for seq in decoding), cost, overhead):
+            return None
         drafter = self.drafter
         drafter.begin_step()
         room = self.kv_capacity_tokens - sum(running_costs(self.scheduler.running))
@@ -226,7 +234,7 @@ class Engine:
         if not fixed:
             limits = speculative.plan_drafts(
                 len(decoding), [(k, seq.spec.p_accept) for k, seq in zip(limits, decoding)],
-                self.step_cost)
+                cost, overhead)
             if not any(limits):
                 return None
         drafts: list[list[int]] = [[] for _ in decoding]
@@ -241,7 +249,7 @@ class Engine:
             return drafts if enough and any(drafts) else None
         keep = speculative.plan_drafts(
             len(decoding), [(len(d), seq.spec.p_accept) for d, seq in zip(drafts, decoding)],
-            self.step_cost)
+            cost, overhead)
         drafts = [d[:n] for d, n in zip(drafts, keep)]
         return drafts if any(drafts) else None
 

@@ -221,15 +221,17 @@ class ModelRunner:
         KV head's G query heads times the row's (padded) fed tokens are query rows against that
         head's cache, as in decode attention; one gather in, one gather out."""
         rows, hd, length = plan.num_rows, self.head_dim, plan.bias.shape[-1]
-        groups = rows * self.num_kv_heads
-        # [T * kv_heads, G, hd] gathered to [rows * kv_heads * width, G, hd]: no transpose copy
-        qg = q.reshape(-1, self.group, hd)[plan.query_index].view(groups, -1, hd)
+        groups, heads = rows * self.num_kv_heads, plan.heads
+        # [T, kv_heads, G, hd] gathered to [rows, kv_heads, width, G, hd]: no transpose copy
+        qg = q.view(-1, self.num_kv_heads, self.group, hd)[plan.token_index, heads[:, None]]
         keys = k_cache[:rows, :, :length].reshape(groups, length, hd)
         values = v_cache[:rows, :, :length].reshape(groups, length, hd)
-        scores = torch.baddbmm(plan.bias, qg, keys.transpose(1, 2), alpha=self.scale)
+        scores = torch.baddbmm(plan.bias, qg.view(groups, -1, hd), keys.transpose(1, 2),
+                               alpha=self.scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.bmm(probs, values).view(-1, self.group, hd)
-        return out[plan.output_index].view(q.shape[0], self.num_heads * hd)
+        out = torch.bmm(probs, values).view(rows, self.num_kv_heads, -1, self.group, hd)
+        return out[plan.row_index, heads, plan.column_index].view(q.shape[0],
+                                                                  self.num_heads * hd)
 
     def _decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           bias: torch.Tensor) -> torch.Tensor:
@@ -296,35 +298,38 @@ class _VerifyPlan:
     """A verify step's attention layout, built once and shared by every layer. Query rows are
     (row, KV head, fed token j) with j padded to the longest feed (`width`; a padded j repeats
     the row's last token, its output is dropped); `bias` [rows * kv_heads, width * G, longest]
-    lets (row, j) see keys 0..starts[row] + j."""
+    lets (row, j) see keys 0..starts[row] + j. The gathers are advanced indexing with
+    broadcast index tensors: [rows, 1, width] x [1, kv_heads, 1] in, [T, 1] x [1, kv_heads] out."""
 
     num_rows: int
     bias: torch.Tensor
-    query_index: torch.Tensor  # [rows * kv_heads * width] -> packed (token, KV head)
-    output_index: torch.Tensor  # [T * kv_heads] -> padded (row, KV head, j)
+    token_index: torch.Tensor  # [rows, 1, width]: the packed token at each padded (row, j)
+    row_index: torch.Tensor  # [T, 1]: each packed token's row
+    column_index: torch.Tensor  # [T, 1]: ... and its j
+    heads: torch.Tensor  # [kv_heads]
 
     @staticmethod
     def build(starts: list[int], lengths: list[int], longest: int, kv_heads: int, group: int,
               dtype: torch.dtype, device: torch.device) -> "_VerifyPlan":
         rows, width = len(lengths), max(lengths)
-        query_index, output_index, offset = [], [], 0
+        padded, row_of, column_of, offset = [], [], [], 0
         for row, n in enumerate(lengths):
-            tokens = [(offset + min(j, n - 1)) * kv_heads for j in range(width)]
-            for head in range(kv_heads):
-                query_index.extend(t + head for t in tokens)
-            for j in range(n):
-                output_index.extend((row * kv_heads + head) * width + j
-                                    for head in range(kv_heads))
+            padded.extend(range(offset, offset + n))
+            padded.extend([offset + n - 1] * (width - n))
+            row_of.extend([row] * n)
+            column_of.extend(range(n))
             offset += n
-        j = torch.arange(width, device=device)
-        last = torch.tensor(starts, device=device)[:, None] + j[None, :]  # [rows, width]
+        last = (torch.tensor(starts, device=device)[:, None]
+                + torch.arange(width, device=device)[None, :])  # [rows, width]
         keys = torch.arange(longest, device=device)
         bias = torch.zeros(rows, 1, width, 1, longest, dtype=dtype, device=device)
         bias.masked_fill_((keys > last[:, :, None])[:, None, :, None, :], float("-inf"))
         bias = bias.expand(rows, kv_heads, width, group, longest).reshape(
             rows * kv_heads, width * group, longest)
-        return _VerifyPlan(rows, bias, torch.tensor(query_index, device=device),
-                           torch.tensor(output_index, device=device))
+        return _VerifyPlan(rows, bias, torch.tensor(padded, device=device).view(rows, 1, width),
+                           torch.tensor(row_of, device=device)[:, None],
+                           torch.tensor(column_of, device=device)[:, None],
+                           torch.arange(kv_heads, device=device))
 
 
 def _length_bias(positions: list[int], kv_heads: int, dtype: torch.dtype, device: torch.device

@@ -33,10 +33,11 @@ speculation costs almost nothing where no history helps (early in training, new 
 
 When to draft (`plan_drafts`, the engine's default rule). A step's cost grows with the tokens it
 feeds (`StepCost`: the measured decode curve, knee.py). A row's i-th draft token adds p^i
-expected tokens, p its per-token acceptance (`SpecState.p_accept`, started from its prompt's);
-the step feeds the draft tokens of highest p^i that maximise expected tokens per unit cost, none
-when a plain step does better. On an affine curve a + c·t (knee B = a / c) a draft token pays
-when p^i > n / (B + n) for n rows: anything in the tail, little in a full batch on a CPU.
+expected tokens, p its per-token acceptance (`SpecState.p_accept`, from `PRIOR_P_ACCEPT`);
+the step feeds the draft tokens of highest p^i that maximise expected tokens per unit cost, a
+verifying step also paying `VERIFY_OVERHEAD` (and one more forward when it admits), none when
+a plain step does better. Without the overhead, on an affine curve a + c·t (knee B = a / c) a
+draft token pays when p^i > n / (B + n) for n rows: most in the tail, little in a full batch.
 """
 
 from __future__ import annotations
@@ -50,8 +51,12 @@ MAX_STREAMS = 64  # outputs kept per prompt (the oldest half dropped beyond this
 MIN_ACCEPTANCE = 0.3
 PROBE_EVERY = 8
 _EMA = 0.3  # weight of the newest verification in the acceptance average
-PRIOR_P_ACCEPT = 0.5  # a new prompt's per-token acceptance before any verification
+PRIOR_P_ACCEPT = 0.5  # a sequence's per-token acceptance before its first verification
 DEFAULT_KNEE = 32  # tokens at which a step costs twice a 1-token step, when none is measured
+# what a verifying step costs beyond its tokens, in 1-token steps: the drafter's lookups, the
+# attention layout, the acceptance bookkeeping (measured: docs/engine.md); a step that also
+# admits pays one more forward (prefills run in their own forward after the verify)
+VERIFY_OVERHEAD = 0.4
 
 
 class StepCost:
@@ -73,8 +78,8 @@ class StepCost:
 
     def __call__(self, tokens: int) -> float:
         table = self._table
-        while len(table) <= tokens:
-            table.append(self._interpolate(len(table)))
+        if tokens >= len(table):
+            table.extend(self._interpolate(t) for t in range(len(table), 2 * tokens + 64))
         return table[tokens]
 
     def _interpolate(self, tokens: int) -> float:
@@ -85,29 +90,41 @@ class StepCost:
         raise AssertionError("unreachable: the loop's last segment returns")
 
 
-def plan_drafts(num_rows: int, offers: list[tuple[int, float]], cost: Callable[[int], float]
-                ) -> list[int]:
+def plan_drafts(num_rows: int, offers: list[tuple[int, float]], cost: Callable[[int], float],
+                overhead: float = 0.0) -> list[int]:
     """Draft tokens each row should feed this step. `offers[r]` = (up to how many row r may
     feed, its per-token acceptance p); `num_rows` decode rows feed one token each anyway.
     Row r's i-th draft token is worth p^i expected tokens (all before it accepted); the step
-    takes the most valuable tokens while each raises expected tokens / cost(num_rows + m) (on
-    a cost curve whose slope does not fall, that rate rises then falls: the first fall is the
-    best). Zeros when a plain step is best."""
-    base = cost(num_rows)
-    rate = num_rows / base
+    takes the most valuable tokens while each raises expected tokens / (cost(num_rows + m) +
+    overhead), `overhead` being what a verifying step costs beyond its tokens (on a cost curve
+    whose slope does not fall, that rate rises then falls: the first fall is the best); then
+    keeps them only if that beats a plain step's num_rows / cost(num_rows). Zeros otherwise."""
+    plain = num_rows / cost(num_rows)
     likeliest = max((p for k, p in offers if k > 0), default=0.0)
-    if (num_rows + likeliest) / cost(num_rows + 1) <= rate:  # not even the best token pays:
+    if not may_pay(num_rows, sum(k for k, _ in offers), likeliest, cost, overhead):
         return [0] * len(offers)  # the common case in a full batch, decided without sorting
     values = sorted(((p ** i, r) for r, (k, p) in enumerate(offers) for i in range(1, k + 1)),
                     reverse=True)
     lengths, expected = [0] * len(offers), float(num_rows)
+    rate = num_rows / (cost(num_rows) + overhead)
     for m, (value, r) in enumerate(values, 1):
         expected += value
-        if expected / cost(num_rows + m) <= rate:
+        with_it = expected / (cost(num_rows + m) + overhead)
+        if with_it <= rate:
             break
-        rate = expected / cost(num_rows + m)
+        rate = with_it
         lengths[r] += 1
-    return lengths
+    return lengths if rate > plain else [0] * len(offers)
+
+
+def may_pay(num_rows: int, num_drafts: int, p: float, cost: Callable[[int], float],
+            overhead: float = 0.0) -> bool:
+    """Whether any of `num_drafts` draft tokens, none accepted with more than probability p,
+    could make a step beat a plain one (`plan_drafts`' rate with every value at p, checked at
+    one token and at all of them: on an affine cost the rate is monotonic in between)."""
+    plain = num_rows / cost(num_rows)
+    return any((num_rows + m * p) / (cost(num_rows + m) + overhead) > plain
+               for m in {1, num_drafts} if m > 0)
 
 
 def accept(draft: list[int], drawn: list[int]) -> int:
@@ -134,11 +151,10 @@ class PromptIndex:
     the token that followed). Output streams are the requests' own `output_ids` lists, read as
     they grow; `catch_up` indexes what they gained since last time."""
 
-    __slots__ = ("prompt", "streams", "indexed", "table", "stamp", "p_accept")
+    __slots__ = ("prompt", "streams", "indexed", "table", "stamp")
 
     def __init__(self, prompt: list[int]) -> None:
         self.prompt = prompt
-        self.p_accept = PRIOR_P_ACCEPT  # its sequences' per-token acceptance, averaged
         self.streams: list[list[int]] = [prompt]
         self.indexed = [len(prompt)]
         self.table: dict[tuple[int, ...], list[tuple[int, int]]] = {}
@@ -209,7 +225,7 @@ class SpecState:
         self.index, self.stream, self.k = index, stream, k
         self.acceptance = 1.0  # optimistic: a new sequence drafts at once
         # P(a draft token is accepted | the ones before it were): plan_drafts' p
-        self.p_accept = index.p_accept
+        self.p_accept = PRIOR_P_ACCEPT
         self.wait = 0  # steps until the next probe while acceptance is low
 
 
@@ -261,6 +277,5 @@ class Drafter:
         # tokens tested: the accepted ones and the first rejected one, if any
         p = num_accepted / (num_accepted + (num_accepted < num_drafted))
         state.p_accept += _EMA * (p - state.p_accept)
-        state.index.p_accept += _EMA * (p - state.index.p_accept)
         state.k = (min(self.max_draft, state.k + 1) if num_accepted == num_drafted
                    else num_accepted + 1)
