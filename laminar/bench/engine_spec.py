@@ -17,15 +17,24 @@ alternating, `repeats` times; medians compared.
   its last finish (the slowest 5%), without / with, the median over epochs and repeats; in
   CPU time beside (`speculation_tail_speedup_cpu`), as `speculation_gain_cpu` is beside the
   wall-clock gain: the wall clock of a shared machine is noisy at these durations;
-- `acceptance_rate`: accepted / drafted tokens, with `drafted_per_step`, `accepted_per_step`;
+- `acceptance_rate`: accepted / drafted tokens, with `drafted_per_step`, `accepted_per_step`,
+  and [drafted, accepted] by the step's decode rows (`drafted_accepted_by_rows`);
+- `fixed_rule_*`: the same requests under the earlier fixed drafting rule
+  (`Engine.speculation_min_drafts = 1`: drafts while the batch is at most half of
+  `speculation_tokens`, verified when at least one per row), a third arm of each repeat;
 - `verify_cost_ms`: the cost of a verification forward vs batch and draft length, on the same
   model (the CPU side of the trade), with `plain_cost_ms` beside it: a plain decode forward of
   the same number of tokens (rows x (1 + draft) rows), CPU ms;
 - `acceptance_bound`: the mean, over the tokens the plain engine generated, of the target's
   largest token probability at that position (teacher-forced): no deterministic drafter's
   acceptance rate under the lossless rule can exceed it on these tokens (a draft d is accepted
-  with probability p(d) <= max p); `acceptance_bound_tail` the same over the tokens of the last
-  5% of requests to finish.
+  with probability p(d) <= max p); `acceptance_bound_tail` the same over the tokens generated
+  after 95% of an epoch's requests had finished (none with `--quick`: its last 5% finish in
+  one step);
+- `speculation_gain_ceiling`: the gain the plain run's steps would allow if every row drafted
+  k tokens for free, each accepted with probability `acceptance_bound` (`gain_ceiling`);
+  `speculation_gain_ceiling_small` the same over its steps of at most 8 rows at
+  `acceptance_bound_tail`.
 The speculating engine decides its drafts on the tiny preset's measured decode curve (knee.py's
 cache, measured now if missing: `step_cost_ms`).
 
@@ -83,11 +92,14 @@ def reverse_prompts(cfg, num_groups: int) -> list[list[int]]:
 
 
 def run_epochs(model, prompts: list[list[int]], params: SamplingParams, engine_kw: dict,
-               epochs: int) -> dict:
-    """Both epochs on one engine: per epoch, seconds, tokens, tail seconds; the outputs."""
+               epochs: int, min_drafts: float | None = None) -> dict:
+    """Both epochs on one engine: per epoch, seconds, tokens, tail seconds; the outputs; the
+    rows of every step and the drafts by batch size. `min_drafts`: the fixed drafting rule
+    (Engine.speculation_min_drafts) instead of the cost rule."""
     engine = Engine(model, EOS_ID, PAD_ID, **engine_kw)
+    engine.speculation_min_drafts = min_drafts
     out = dict(seconds=[], cpu_seconds=[], tokens=[], tail_s=[], tail_cpu_s=[], outputs=[],
-               tail_from=[], step_rows=[])
+               tail_from=[], step_rows=[], drafts_by_rows={})
     for epoch in range(epochs):
         reqs = [GenerationRequest(f"e{epoch}g{j}s{i}", list(p),
                                   dataclasses.replace(params, seed=epoch * 10**6 + j * 100 + i))
@@ -97,9 +109,16 @@ def run_epochs(model, prompts: list[list[int]], params: SamplingParams, engine_k
         finished, start, cpu_start = [], time.perf_counter(), time.process_time()
         tail_from = None  # output length of each request when 95% of them had finished
         while engine.has_unfinished():
+            drafted, accepted = engine.num_drafted_tokens, engine.num_accepted_tokens
             deltas = engine.step()
-            out["step_rows"].append(len(engine.scheduler.running) + sum(
-                d.finish_reason is not None for d in deltas))  # the rows that decoded
+            rows = len(engine.scheduler.running) + sum(d.finish_reason is not None
+                                                       for d in deltas)  # the rows that decoded
+            out["step_rows"].append(rows)
+            if engine.num_drafted_tokens > drafted:
+                size = "1-8" if rows <= 8 else "9-32" if rows <= 32 else "33+"
+                tally = out["drafts_by_rows"].setdefault(size, [0, 0])
+                tally[0] += engine.num_drafted_tokens - drafted
+                tally[1] += engine.num_accepted_tokens - accepted
             for delta in deltas:
                 if delta.finish_reason is not None:
                     finished.append((time.perf_counter() - start,
@@ -132,12 +151,13 @@ def bench_speculation(num_groups: int, repeats: int) -> dict:
     curve = {int(b): ms for b, ms in cached_knee("tiny", None, THREADS)["curve_ms"].items()}
     spec_kw = {**kw, "speculation": SPECULATION, "step_cost_ms": curve}
     run_epochs(model, prompts[:2], params, kw, 1)  # warm
-    plain_runs, spec_runs = [], []
+    plain_runs, spec_runs, fixed_runs = [], [], []
     for _ in range(repeats):
         plain_runs.append(run_epochs(model, prompts, params, kw, 2))
         spec_runs.append(run_epochs(model, prompts, params, spec_kw, 2))
-    for p, s in zip(plain_runs, spec_runs):
-        if p["outputs"] != s["outputs"]:
+        fixed_runs.append(run_epochs(model, prompts, params, spec_kw, 2, min_drafts=1.0))
+    for p, s, f in zip(plain_runs, spec_runs, fixed_runs):
+        if not p["outputs"] == s["outputs"] == f["outputs"]:
             raise AssertionError("speculation changed the sampled tokens")
     tokens = sum(plain_runs[0]["tokens"])
 
@@ -149,7 +169,9 @@ def bench_speculation(num_groups: int, repeats: int) -> dict:
     tails = [p["tail_s"][e] / s["tail_s"][e] for p, s in zip(plain_runs, spec_runs) for e in (0, 1)]
     tails_cpu = [p["tail_cpu_s"][e] / s["tail_cpu_s"][e]
                  for p, s in zip(plain_runs, spec_runs) for e in (0, 1)]
-    s0 = spec_runs[0]
+    tails_fixed_cpu = [p["tail_cpu_s"][e] / f["tail_cpu_s"][e]
+                       for p, f in zip(plain_runs, fixed_runs) for e in (0, 1)]
+    s0, f0 = spec_runs[0], fixed_runs[0]
     lengths = sorted(len(o) for o in plain_runs[0]["outputs"][0])
     bound, bound_tail = acceptance_bound(model, prompts, plain_runs[0])
     cost = StepCost(curve)
@@ -173,6 +195,15 @@ def bench_speculation(num_groups: int, repeats: int) -> dict:
         acceptance_rate=s0["accepted"] / max(s0["drafted"], 1),
         drafted_per_step=s0["drafted"] / max(s0["spec_steps"], 1),
         accepted_per_step=s0["accepted"] / max(s0["spec_steps"], 1),
+        drafted_accepted_by_rows=s0["drafts_by_rows"],
+        # the earlier fixed rule (drafts while the batch is <= 32 rows, verified when at least
+        # one per row) on the same requests, for comparison
+        fixed_rule_gain=median(plain_runs, "seconds") / median(fixed_runs, "seconds"),
+        fixed_rule_gain_cpu=(median(plain_runs, "cpu_seconds")
+                             / median(fixed_runs, "cpu_seconds")),
+        fixed_rule_tail_speedup_cpu=statistics.median(tails_fixed_cpu),
+        fixed_rule_acceptance_rate=f0["accepted"] / max(f0["drafted"], 1),
+        fixed_rule_drafted_accepted_by_rows=f0["drafts_by_rows"],
         acceptance_bound=bound, acceptance_bound_tail=bound_tail, step_cost_ms=curve,
         plain_steps=len(rows), plain_steps_full=sum(n == kw["max_batch_size"] for n in rows),
         speculation_gain_ceiling=gain_ceiling(rows, bound, SPECULATION, cost),
@@ -330,6 +361,11 @@ def print_report(r: dict) -> None:
           f"speedup {r['speculation_tail_speedup']:.2f}x (CPU time: gain "
           f"{r['speculation_gain_cpu']:.2f}x, tail {r['speculation_tail_speedup_cpu']:.2f}x), acceptance {r['acceptance_rate']:.2f}, "
           f"drafted/accepted per step {r['drafted_per_step']:.1f}/{r['accepted_per_step']:.1f}")
+    print(f"drafted/accepted by decode rows: {r['drafted_accepted_by_rows']}; the fixed rule: "
+          f"gain {r['fixed_rule_gain']:.2f}x (CPU time {r['fixed_rule_gain_cpu']:.2f}x, tail "
+          f"{r['fixed_rule_tail_speedup_cpu']:.2f}x), acceptance "
+          f"{r['fixed_rule_acceptance_rate']:.2f}, by rows "
+          f"{r['fixed_rule_drafted_accepted_by_rows']}")
     print("verify forward CPU ms (batch, draft) / plain forward of as many tokens:",
           ", ".join(f"{k} {v:.2f}/{r['plain_cost_ms'][k]:.2f}"
                     for k, v in r["verify_cost_ms"].items()))
