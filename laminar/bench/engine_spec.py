@@ -202,6 +202,11 @@ def bench_speculation(num_groups: int, repeats: int) -> dict:
         fixed_rule_gain_cpu=(median(plain_runs, "cpu_seconds")
                              / median(fixed_runs, "cpu_seconds")),
         fixed_rule_tail_speedup_cpu=statistics.median(tails_fixed_cpu),
+        # the spread: each repeat's CPU-time ratio, plain / speculating (cost rule; fixed rule)
+        speculation_gain_cpu_by_repeat=[sum(p["cpu_seconds"]) / sum(s["cpu_seconds"])
+                                        for p, s in zip(plain_runs, spec_runs)],
+        fixed_rule_gain_cpu_by_repeat=[sum(p["cpu_seconds"]) / sum(f["cpu_seconds"])
+                                       for p, f in zip(plain_runs, fixed_runs)],
         fixed_rule_acceptance_rate=f0["accepted"] / max(f0["drafted"], 1),
         fixed_rule_drafted_accepted_by_rows=f0["drafts_by_rows"],
         acceptance_bound=bound, acceptance_bound_tail=bound_tail, step_cost_ms=curve,
@@ -361,6 +366,9 @@ def print_report(r: dict) -> None:
           f"speedup {r['speculation_tail_speedup']:.2f}x (CPU time: gain "
           f"{r['speculation_gain_cpu']:.2f}x, tail {r['speculation_tail_speedup_cpu']:.2f}x), acceptance {r['acceptance_rate']:.2f}, "
           f"drafted/accepted per step {r['drafted_per_step']:.1f}/{r['accepted_per_step']:.1f}")
+    print("CPU-time gain by repeat: cost rule "
+          + ", ".join(f"{g:.2f}x" for g in r["speculation_gain_cpu_by_repeat"]) + "; fixed rule "
+          + ", ".join(f"{g:.2f}x" for g in r["fixed_rule_gain_cpu_by_repeat"]))
     print(f"drafted/accepted by decode rows: {r['drafted_accepted_by_rows']}; the fixed rule: "
           f"gain {r['fixed_rule_gain']:.2f}x (CPU time {r['fixed_rule_gain_cpu']:.2f}x, tail "
           f"{r['fixed_rule_tail_speedup_cpu']:.2f}x), acceptance "
