@@ -105,6 +105,15 @@ def test_step_cost_interpolates_the_measured_curve_and_extends_its_last_segment(
         StepCost({1: 1.0})
 
 
+def test_build_engine_hands_the_measured_curve_to_the_engine(model):
+    from laminar.config import EngineConfig
+    from laminar.engine import build_engine
+
+    engine = build_engine(EngineConfig(speculation=2), model, NO_EOS, PAD_ID,
+                          step_cost_ms={"1": 0.7, "64": 2.1})
+    assert engine.step_cost(64) == pytest.approx(2.1) and engine.drafter.max_draft == 2
+
+
 def test_plan_drafts_pays_in_the_tail_not_in_a_full_batch():
     cost = StepCost()  # a + c*t with a / c = 32
     # one row in the tail: its tokens are nearly free, four drafts at p = 0.6 pay
