@@ -54,8 +54,9 @@ _EMA = 0.3  # weight of the newest verification in the acceptance average
 PRIOR_P_ACCEPT = 0.5  # a sequence's per-token acceptance before its first verification
 DEFAULT_KNEE = 32  # tokens at which a step costs twice a 1-token step, when none is measured
 # what a verifying step costs beyond its tokens, in 1-token steps: the drafter's lookups, the
-# attention layout, the acceptance bookkeeping (measured: docs/engine.md); a step that also
-# admits pays one more forward (prefills run in their own forward after the verify)
+# attention layout, the acceptance bookkeeping (an estimate: the layout alone is 0.1-0.5 of a
+# 1-token step here, docs/engine.md); a step that also admits pays one more forward (its
+# prefills run in their own forward after the verify)
 VERIFY_OVERHEAD = 0.4
 
 
