@@ -14,7 +14,7 @@ import torch
 
 from laminar.engine import Engine
 from laminar.engine import speculation
-from laminar.engine.speculation import Drafter, PromptIndex, accept
+from laminar.engine.speculation import Drafter, PromptIndex, StepCost, accept, plan_drafts
 from laminar.models import BOS_ID, PAD_ID, build_preset
 from laminar.types import GenerationRequest, SamplingParams
 from harness import sharpen
@@ -92,6 +92,45 @@ def test_adaptive_k_grows_on_success_shrinks_on_rejection_and_backs_off():
     assert seq.spec.acceptance < speculation.MIN_ACCEPTANCE
     proposals = [drafter.propose(seq, 4) for _ in range(2 * speculation.PROBE_EVERY + 2)]
     assert sum(1 for p in proposals if p) == 2  # a probe every PROBE_EVERY + 1 steps
+
+
+def test_step_cost_interpolates_the_measured_curve_and_extends_its_last_segment():
+    cost = StepCost({1: 1.0, 8: 1.7, 64: 4.5})
+    assert cost(1) == 1.0 and cost(8) == pytest.approx(1.7) and cost(4) == pytest.approx(1.3)
+    assert cost(120) == pytest.approx(4.5 + 56 * 0.05)  # past the last point: its slope
+    default = StepCost()  # affine, a step of DEFAULT_KNEE tokens costs twice a 1-token step
+    knee = speculation.DEFAULT_KNEE
+    assert default(knee) / default(0) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="2\\+ points"):
+        StepCost({1: 1.0})
+
+
+def test_build_engine_hands_the_measured_curve_to_the_engine(model):
+    from laminar.config import EngineConfig
+    from laminar.engine import build_engine
+
+    engine = build_engine(EngineConfig(speculation=2), model, NO_EOS, PAD_ID,
+                          step_cost_ms={"1": 0.7, "64": 2.1})
+    assert engine.step_cost(64) == pytest.approx(2.1) and engine.drafter.max_draft == 2
+
+
+def test_plan_drafts_pays_in_the_tail_not_in_a_full_batch():
+    cost = StepCost()  # a + c*t with a / c = 32
+    # one row in the tail: its tokens are nearly free, four drafts at p = 0.6 pay
+    assert plan_drafts(1, [(4, 0.6)], cost) == [4]
+    # a full batch: a draft token at p pays only above n / (32 + n) = 0.67 for n = 64
+    assert plan_drafts(64, [(4, 0.6)] * 64, cost) == [0] * 64
+    assert sum(plan_drafts(64, [(1, 0.95)] * 64, cost)) == 64
+    # rows with better acceptance are served first, each row's tokens in order
+    lengths = plan_drafts(16, [(4, 0.9)] * 8 + [(4, 0.3)] * 8, cost)
+    assert lengths[:8] == [4] * 8 and sum(lengths[8:]) < 8 * 4
+    assert plan_drafts(4, [(4, 0.0), (0, 0.9)], cost) == [0, 0]  # nothing worth drafting
+    # a verifying step's own overhead: paid back by four likely drafts, not by one unlikely one
+    overhead = speculation.VERIFY_OVERHEAD * cost(1)
+    assert plan_drafts(1, [(4, 0.9)], cost, overhead) == [4]
+    assert plan_drafts(1, [(1, 0.3)], cost, overhead) == [0]
+    assert speculation.may_pay(1, 4, 0.9, cost, overhead)
+    assert not speculation.may_pay(64, 256, 0.6, cost, overhead)
 
 
 # -- lossless ------------------------------------------------------------------------------------

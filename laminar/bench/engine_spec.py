@@ -17,9 +17,26 @@ alternating, `repeats` times; medians compared.
   its last finish (the slowest 5%), without / with, the median over epochs and repeats; in
   CPU time beside (`speculation_tail_speedup_cpu`), as `speculation_gain_cpu` is beside the
   wall-clock gain: the wall clock of a shared machine is noisy at these durations;
-- `acceptance_rate`: accepted / drafted tokens, with `drafted_per_step`, `accepted_per_step`;
+- `acceptance_rate`: accepted / drafted tokens, with `drafted_per_step`, `accepted_per_step`,
+  and [drafted, accepted] by the step's decode rows (`drafted_accepted_by_rows`);
+- `fixed_rule_*`: the same requests under the earlier fixed drafting rule
+  (`Engine.speculation_min_drafts = 1`: drafts while the batch is at most half of
+  `speculation_tokens`, verified when at least one per row), a third arm of each repeat;
 - `verify_cost_ms`: the cost of a verification forward vs batch and draft length, on the same
-  model (the CPU side of the trade).
+  model (the CPU side of the trade), with `plain_cost_ms` beside it: a plain decode forward of
+  the same number of tokens (rows x (1 + draft) rows), CPU ms;
+- `acceptance_bound`: the mean, over the tokens the plain engine generated, of the target's
+  largest token probability at that position (teacher-forced): no deterministic drafter's
+  acceptance rate under the lossless rule can exceed it on these tokens (a draft d is accepted
+  with probability p(d) <= max p); `acceptance_bound_tail` the same over the tokens generated
+  after 95% of an epoch's requests had finished (none with `--quick`: its last 5% finish in
+  one step);
+- `speculation_gain_ceiling`: the gain the plain run's steps would allow if every row drafted
+  k tokens for free, each accepted with probability `acceptance_bound` (`gain_ceiling`);
+  `speculation_gain_ceiling_small` the same over its steps of at most 8 rows at
+  `acceptance_bound_tail`.
+The speculating engine decides its drafts on the tiny preset's measured decode curve (knee.py's
+cache, measured now if missing: `step_cost_ms`).
 
 Shared prefixes (no EOS: every request generates its drawn length, so the variants do the
 same work on a random-init tiny model):
@@ -45,6 +62,8 @@ import torch
 
 from laminar.config import load_config
 from laminar.engine import Engine
+from laminar.engine.knee import cached_knee
+from laminar.engine.speculation import StepCost, plan_drafts
 from laminar.models import BOS_ID, EOS_ID, PAD_ID, build_preset, load_pretrained
 from laminar.models.tokenizer import build_char_tokenizer, encode_prompt
 from laminar.provenance import provenance
@@ -73,10 +92,14 @@ def reverse_prompts(cfg, num_groups: int) -> list[list[int]]:
 
 
 def run_epochs(model, prompts: list[list[int]], params: SamplingParams, engine_kw: dict,
-               epochs: int) -> dict:
-    """Both epochs on one engine: per epoch, seconds, tokens, tail seconds; the outputs."""
+               epochs: int, min_drafts: float | None = None) -> dict:
+    """Both epochs on one engine: per epoch, seconds, tokens, tail seconds; the outputs; the
+    rows of every step and the drafts by batch size. `min_drafts`: the fixed drafting rule
+    (Engine.speculation_min_drafts) instead of the cost rule."""
     engine = Engine(model, EOS_ID, PAD_ID, **engine_kw)
-    out = dict(seconds=[], cpu_seconds=[], tokens=[], tail_s=[], tail_cpu_s=[], outputs=[])
+    engine.speculation_min_drafts = min_drafts
+    out = dict(seconds=[], cpu_seconds=[], tokens=[], tail_s=[], tail_cpu_s=[], outputs=[],
+               tail_from=[], step_rows=[], drafts_by_rows={})
     for epoch in range(epochs):
         reqs = [GenerationRequest(f"e{epoch}g{j}s{i}", list(p),
                                   dataclasses.replace(params, seed=epoch * 10**6 + j * 100 + i))
@@ -84,11 +107,24 @@ def run_epochs(model, prompts: list[list[int]], params: SamplingParams, engine_k
         for req in reqs:
             engine.add(req)
         finished, start, cpu_start = [], time.perf_counter(), time.process_time()
+        tail_from = None  # output length of each request when 95% of them had finished
         while engine.has_unfinished():
-            for delta in engine.step():
+            drafted, accepted = engine.num_drafted_tokens, engine.num_accepted_tokens
+            deltas = engine.step()
+            rows = len(engine.scheduler.running) + sum(d.finish_reason is not None
+                                                       for d in deltas)  # the rows that decoded
+            out["step_rows"].append(rows)
+            if engine.num_drafted_tokens > drafted:
+                size = "1-8" if rows <= 8 else "9-32" if rows <= 32 else "33+"
+                tally = out["drafts_by_rows"].setdefault(size, [0, 0])
+                tally[0] += engine.num_drafted_tokens - drafted
+                tally[1] += engine.num_accepted_tokens - accepted
+            for delta in deltas:
                 if delta.finish_reason is not None:
                     finished.append((time.perf_counter() - start,
                                      time.process_time() - cpu_start))
+            if tail_from is None and len(finished) >= int(0.95 * len(reqs)):
+                tail_from = [len(r.output_ids) if r.finish_reason is None else None for r in reqs]
         seconds = time.perf_counter() - start
         cpu_seconds = time.process_time() - cpu_start
         out["cpu_seconds"].append(cpu_seconds)
@@ -99,6 +135,7 @@ def run_epochs(model, prompts: list[list[int]], params: SamplingParams, engine_k
         out["tail_s"].append(seconds - at_95[0])
         out["tail_cpu_s"].append(cpu_seconds - at_95[1])
         out["outputs"].append([r.output_ids for r in reqs])
+        out["tail_from"].append(tail_from)
     out.update(drafted=engine.num_drafted_tokens, accepted=engine.num_accepted_tokens,
                spec_steps=engine.num_spec_steps, prefill_tokens=engine.num_prefill_tokens)
     return out
@@ -111,13 +148,16 @@ def bench_speculation(num_groups: int, repeats: int) -> dict:
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                             max_new_tokens=r.max_new_tokens)
     kw = dict(max_batch_size=r.engine.max_batch_size, kv_capacity_tokens=r.engine.kv_capacity_tokens)
+    curve = {int(b): ms for b, ms in cached_knee("tiny", None, THREADS)["curve_ms"].items()}
+    spec_kw = {**kw, "speculation": SPECULATION, "step_cost_ms": curve}
     run_epochs(model, prompts[:2], params, kw, 1)  # warm
-    plain_runs, spec_runs = [], []
+    plain_runs, spec_runs, fixed_runs = [], [], []
     for _ in range(repeats):
         plain_runs.append(run_epochs(model, prompts, params, kw, 2))
-        spec_runs.append(run_epochs(model, prompts, params, {**kw, "speculation": SPECULATION}, 2))
-    for p, s in zip(plain_runs, spec_runs):
-        if p["outputs"] != s["outputs"]:
+        spec_runs.append(run_epochs(model, prompts, params, spec_kw, 2))
+        fixed_runs.append(run_epochs(model, prompts, params, spec_kw, 2, min_drafts=1.0))
+    for p, s, f in zip(plain_runs, spec_runs, fixed_runs):
+        if not p["outputs"] == s["outputs"] == f["outputs"]:
             raise AssertionError("speculation changed the sampled tokens")
     tokens = sum(plain_runs[0]["tokens"])
 
@@ -129,8 +169,15 @@ def bench_speculation(num_groups: int, repeats: int) -> dict:
     tails = [p["tail_s"][e] / s["tail_s"][e] for p, s in zip(plain_runs, spec_runs) for e in (0, 1)]
     tails_cpu = [p["tail_cpu_s"][e] / s["tail_cpu_s"][e]
                  for p, s in zip(plain_runs, spec_runs) for e in (0, 1)]
-    s0 = spec_runs[0]
+    tails_fixed_cpu = [p["tail_cpu_s"][e] / f["tail_cpu_s"][e]
+                       for p, f in zip(plain_runs, fixed_runs) for e in (0, 1)]
+    s0, f0 = spec_runs[0], fixed_runs[0]
     lengths = sorted(len(o) for o in plain_runs[0]["outputs"][0])
+    bound, bound_tail = acceptance_bound(model, prompts, plain_runs[0])
+    cost = StepCost(curve)
+    rows = plain_runs[0]["step_rows"]
+    tail_rows = [n for n in rows if n <= 8]
+    tail_p = bound_tail if bound_tail is not None else bound
     return dict(
         num_groups=num_groups, group_size=GROUP_SIZE, speculation=SPECULATION, repeats=repeats,
         max_batch_size=kw["max_batch_size"], kv_capacity_tokens=kw["kv_capacity_tokens"],
@@ -148,30 +195,102 @@ def bench_speculation(num_groups: int, repeats: int) -> dict:
         acceptance_rate=s0["accepted"] / max(s0["drafted"], 1),
         drafted_per_step=s0["drafted"] / max(s0["spec_steps"], 1),
         accepted_per_step=s0["accepted"] / max(s0["spec_steps"], 1),
-        verify_cost_ms=verify_cost(model))
+        drafted_accepted_by_rows=s0["drafts_by_rows"],
+        # the earlier fixed rule (drafts while the batch is <= 32 rows, verified when at least
+        # one per row) on the same requests, for comparison
+        fixed_rule_gain=median(plain_runs, "seconds") / median(fixed_runs, "seconds"),
+        fixed_rule_gain_cpu=(median(plain_runs, "cpu_seconds")
+                             / median(fixed_runs, "cpu_seconds")),
+        fixed_rule_tail_speedup_cpu=statistics.median(tails_fixed_cpu),
+        # the spread: each repeat's CPU-time ratio, plain / speculating (cost rule; fixed rule)
+        speculation_gain_cpu_by_repeat=[sum(p["cpu_seconds"]) / sum(s["cpu_seconds"])
+                                        for p, s in zip(plain_runs, spec_runs)],
+        fixed_rule_gain_cpu_by_repeat=[sum(p["cpu_seconds"]) / sum(f["cpu_seconds"])
+                                       for p, f in zip(plain_runs, fixed_runs)],
+        fixed_rule_acceptance_rate=f0["accepted"] / max(f0["drafted"], 1),
+        fixed_rule_drafted_accepted_by_rows=f0["drafts_by_rows"],
+        acceptance_bound=bound, acceptance_bound_tail=bound_tail, step_cost_ms=curve,
+        plain_steps=len(rows), plain_steps_full=sum(n == kw["max_batch_size"] for n in rows),
+        speculation_gain_ceiling=gain_ceiling(rows, bound, SPECULATION, cost),
+        speculation_gain_ceiling_small=gain_ceiling(tail_rows, tail_p, SPECULATION, cost),
+        **verify_cost(model))
 
 
-def verify_cost(model, batches=(1, 8, 32, 64), drafts=(0, 2, 4), steps: int = 12) -> dict:
-    """Median wall ms of one forward with `batch` rows of 1 + draft tokens each."""
-    out = {}
+@torch.inference_mode()
+def acceptance_bound(model, prompts: list[list[int]], run: dict) -> tuple[float, float]:
+    """Mean largest token probability of the target at each generated token of `run` (all
+    epochs), and the same over the tokens generated after 95% of an epoch's requests had
+    finished (sampling at temperature 1, no top-k / top-p: the modes workload's)."""
+    values, tail = [], []
+    for outputs, tail_from in zip(run["outputs"], run["tail_from"]):
+        for i, (out, late) in enumerate(zip(outputs, tail_from)):
+            prompt = prompts[i // GROUP_SIZE]
+            logits = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+            best = logits.float().softmax(-1).max(-1).values.tolist()
+            values += best
+            if late is not None:
+                tail += best[late:]
+    return statistics.fmean(values), statistics.fmean(tail) if tail else None  # None: no tail
+
+
+def gain_ceiling(step_rows: list[int], p: float, k: int, cost: StepCost) -> float:
+    """Throughput gain speculation could reach on the plain run's steps (rows per step) if
+    every row drafted k tokens for free, each accepted with probability p given the ones
+    before, the step taking the drafts that pay (plan_drafts): the sum of the plain steps'
+    costs / the sum of their costs divided by each step's best expected tokens-per-cost
+    ratio. An optimistic ceiling for the CPU side, not a prediction."""
+    step_rows = [n for n in step_rows if n > 0]
+    plain = sum(cost(n) for n in step_rows)
+    spec = 0.0
+    for n in step_rows:
+        lengths = plan_drafts(n, [(k, p)] * n, cost)
+        m = sum(lengths)
+        expected = n + n * sum(p ** i for i in range(1, 1 + max(lengths)))
+        spec += cost(n) / ((expected / cost(n + m)) / (n / cost(n))) if m else cost(n)
+    return plain / spec if spec else 1.0
+
+
+def verify_cost(model, batches=(1, 8, 32, 64), drafts=(0, 2, 4), steps: int = 12,
+                rounds: int = 3) -> dict:
+    """CPU ms of one verify forward with `batch` rows of 1 + draft tokens each, and of one
+    plain decode forward of as many rows: the median of `steps` calls, the lowest of `rounds`
+    rounds (the two alternate)."""
+    runners, verify, plain = {}, {}, {}
     for batch in batches:
-        engine = Engine(model, 10**6, PAD_ID, max_batch_size=batch)
-        params = SamplingParams(temperature=1.0, max_new_tokens=64)
-        for i in range(batch):
-            engine.add(GenerationRequest(f"v{i}", [BOS_ID] + [10 + (i + j) % 60 for j in range(20)],
-                                         params))
-        for _ in range(4):
-            engine.step()
-        starts = [seq.num_tokens - 1 for seq in engine.scheduler.running]
         for k in drafts:
-            feeds = [[11] * (k + 1) for _ in range(batch)]
-            times = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                engine.runner.verify(feeds, starts)
-                times.append(time.perf_counter() - t0)
-            out[f"b{batch}_k{k}"] = 1000 * statistics.median(times)
-    return out
+            for rows in (batch, batch * (k + 1)):
+                if rows not in runners:
+                    engine = Engine(model, 10**6, PAD_ID, max_batch_size=rows)
+                    params = SamplingParams(temperature=1.0, max_new_tokens=64)
+                    for i in range(rows):
+                        engine.add(GenerationRequest(
+                            f"v{i}", [BOS_ID] + [10 + (i + j) % 60 for j in range(20)], params))
+                    for _ in range(4):
+                        engine.step()
+                    runners[rows] = (engine.runner,
+                                     [seq.num_tokens - 1 for seq in engine.scheduler.running])
+    for _ in range(rounds):
+        for batch in batches:
+            runner, starts = runners[batch]
+            for k in drafts:
+                key = f"b{batch}_k{k}"
+                feeds = [[11] * (k + 1) for _ in range(batch)]
+                verify[key] = min(verify.get(key, 1e9),
+                                  _median_ms(lambda: runner.verify(feeds, starts), steps))
+                wide, wide_starts = runners[batch * (k + 1)]
+                tokens = [11] * (batch * (k + 1))
+                plain[key] = min(plain.get(key, 1e9),
+                                 _median_ms(lambda: wide.run(tokens, wide_starts, []), steps))
+    return dict(verify_cost_ms=verify, plain_cost_ms=plain)
+
+
+def _median_ms(fn, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return 1000 * statistics.median(times)
 
 
 def group_workload(prompt_len: int, num_new: int, num_groups: int, seed: int = 0
@@ -247,8 +366,23 @@ def print_report(r: dict) -> None:
           f"speedup {r['speculation_tail_speedup']:.2f}x (CPU time: gain "
           f"{r['speculation_gain_cpu']:.2f}x, tail {r['speculation_tail_speedup_cpu']:.2f}x), acceptance {r['acceptance_rate']:.2f}, "
           f"drafted/accepted per step {r['drafted_per_step']:.1f}/{r['accepted_per_step']:.1f}")
-    print("verify forward ms (batch, draft):",
-          ", ".join(f"{k} {v:.2f}" for k, v in r["verify_cost_ms"].items()))
+    print("CPU-time gain by repeat: cost rule "
+          + ", ".join(f"{g:.2f}x" for g in r["speculation_gain_cpu_by_repeat"]) + "; fixed rule "
+          + ", ".join(f"{g:.2f}x" for g in r["fixed_rule_gain_cpu_by_repeat"]))
+    print(f"drafted/accepted by decode rows: {r['drafted_accepted_by_rows']}; the fixed rule: "
+          f"gain {r['fixed_rule_gain']:.2f}x (CPU time {r['fixed_rule_gain_cpu']:.2f}x, tail "
+          f"{r['fixed_rule_tail_speedup_cpu']:.2f}x), acceptance "
+          f"{r['fixed_rule_acceptance_rate']:.2f}, by rows "
+          f"{r['fixed_rule_drafted_accepted_by_rows']}")
+    print("verify forward CPU ms (batch, draft) / plain forward of as many tokens:",
+          ", ".join(f"{k} {v:.2f}/{r['plain_cost_ms'][k]:.2f}"
+                    for k, v in r["verify_cost_ms"].items()))
+    tail = r["acceptance_bound_tail"]
+    print(f"acceptance bound (mean max token probability): {r['acceptance_bound']:.2f}, in the "
+          f"tail {'-' if tail is None else f'{tail:.2f}'}; gain ceiling at that acceptance, free "
+          f"drafts: {r['speculation_gain_ceiling']:.2f}x (steps of <= 8 rows: "
+          f"{r['speculation_gain_ceiling_small']:.2f}x); plain steps {r['plain_steps']}, "
+          f"{r['plain_steps_full']} of them full")
     print(f"shared prefixes: prefill ratio {r['prefix_prefill_ratio']:.3f} (target <= 0.167), "
           f"long-prompt gain {r['prefix_long_prompt_gain']:.2f}x (CPU time "
           f"{r['prefix_long_prompt_gain_cpu']:.2f}x; target 1.3x)")

@@ -15,7 +15,9 @@ from laminar.engine.protocol import RolloutEngine
 
 
 def build_engine(cfg: EngineConfig, model, eos_token_id: int, pad_token_id: int, version: int = 0,
-                 seed: int = 0) -> RolloutEngine:
+                 seed: int = 0, step_cost_ms: dict[int, float] | None = None) -> RolloutEngine:
+    """`step_cost_ms`: the native engine's decode curve {tokens: ms} (knee.py's `curve_ms`),
+    on which speculation decides when to draft; None: an affine default (speculation.py)."""
     if cfg.backend == "vllm":
         return _engine_class("VLLMEngine")(
             model, eos_token_id, pad_token_id, max_batch_size=cfg.max_batch_size,
@@ -27,7 +29,8 @@ def build_engine(cfg: EngineConfig, model, eos_token_id: int, pad_token_id: int,
     return _engine_class("Engine")(model, eos_token_id, pad_token_id,
                                    max_batch_size=cfg.max_batch_size,
                                    kv_capacity_tokens=cfg.kv_capacity_tokens, version=version,
-                                   seed=seed, speculation=cfg.speculation)
+                                   seed=seed, speculation=cfg.speculation,
+                                   step_cost_ms=step_cost_ms)
 
 
 def _engine_class(name: str) -> Any:

@@ -63,7 +63,8 @@ class Engine:
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
                  max_batch_size: int = 64, kv_capacity_tokens: int = 16384, version: int = 0,
                  seed: int = 0, share_prefixes: bool = True, speculation: int = 0,
-                 speculation_tokens: int = 64) -> None:
+                 speculation_tokens: int = 64,
+                 step_cost_ms: Mapping[int, float] | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         if kv_capacity_tokens < 1:
@@ -87,10 +88,14 @@ class Engine:
         self.num_prefix_hits = 0  # ... that shared another sequence's prompt KV
         # speculative decoding: up to `speculation` drafted tokens per row and step (0: off)
         self.drafter = speculative.Drafter(speculation) if speculation else None
-        # a verifying step feeds at most this many tokens (rows + drafts): below the batch where
-        # a step's cost starts to grow with its tokens, a draft costs little (docs/engine.md)
+        # a verifying step feeds at most this many tokens (rows + drafts)
         self.speculation_tokens = speculation_tokens
-        self.speculation_min_drafts = 1.0  # drafted tokens per row a step verifies at least
+        # what a step costs for the tokens it feeds (knee.py's measured decode curve, or an
+        # affine default): which drafts to verify is decided on it (speculation.plan_drafts)
+        self.step_cost = speculative.StepCost(step_cost_ms)
+        # None: that cost rule decides; a number: the fixed rule instead, verify whatever is
+        # drafted when the drafts are at least this many per row (0: always; the tests' hook)
+        self.speculation_min_drafts: float | None = None
         self.num_spec_steps = 0  # steps that verified drafts
         self.num_drafted_tokens = 0
         self.num_accepted_tokens = 0
@@ -162,7 +167,8 @@ class Engine:
         forks, prefills, followers = self._share(admitted, num_decode)
         num_decode += len(forks)  # a fork decodes its prompt's last token
         decoding = rows[:num_decode]
-        drafts = self._drafts(decoding) if self.drafter is not None and decoding else None
+        drafts = (self._drafts(decoding, bool(prefills))
+                  if self.drafter is not None and decoding else None)
         t0 = time.perf_counter()
         if drafts is None:
             widths = None
@@ -203,29 +209,49 @@ class Engine:
         return deltas + self._postprocess(rows, *self._verified(rows, drafts, widths, tokens,
                                                                 logprobs))
 
-    def _drafts(self, decoding: list[Sequence]) -> list[list[int]] | None:
-        """A draft per decode row (speculation.py), the most accepted rows served first, within
-        `speculation_tokens` fed tokens and the KV capacity; None when the batch is over half
-        of `speculation_tokens` or the drafts are fewer than the rows."""
+    def _drafts(self, decoding: list[Sequence], admits: bool) -> list[list[int]] | None:
+        """A draft per decode row (speculation.py) within `speculation_tokens` fed tokens and
+        the KV capacity, or None for a plain step. Which rows draft and how far is
+        `plan_drafts` on the step cost curve: first whether drafts could pay at all (`may_pay`,
+        from the best row's acceptance), then before the lookups from each row's k and
+        acceptance, and after them on what was drafted."""
+        fixed = self.speculation_min_drafts is not None
         budget = self.speculation_tokens - len(decoding)
-        if budget < len(decoding):  # the verify forward costs more per row than a decode step:
-            return None  # worth it only where every row could have a draft (the tail)
+        if budget < (len(decoding) if fixed else 1):
+            return None  # the fixed rule: worth it only where every row could have a draft
+        cost = self.step_cost
+        overhead = cost(1) * (speculative.VERIFY_OVERHEAD + admits)
+        if not fixed and not speculative.may_pay(  # a full batch on a CPU stops here
+                len(decoding), len(decoding) * self.drafter.max_draft,
+                max(seq.spec.p_accept for seq in decoding), cost, overhead):
+            return None
         drafter = self.drafter
         drafter.begin_step()
         room = self.kv_capacity_tokens - sum(running_costs(self.scheduler.running))
         max_positions = self.runner.max_positions
+        limits = [max(0, min(seq.budget_left - 1, max_positions - seq.num_tokens, seq.spec.k))
+                  for seq in decoding]
+        if not fixed:
+            limits = speculative.plan_drafts(
+                len(decoding), [(k, seq.spec.p_accept) for k, seq in zip(limits, decoding)],
+                cost, overhead)
+            if not any(limits):
+                return None
         drafts: list[list[int]] = [[] for _ in decoding]
         for i in sorted(range(len(decoding)), key=lambda i: -decoding[i].spec.acceptance):
-            seq = decoding[i]
-            limit = min(seq.budget_left - 1, max_positions - seq.num_tokens, room, budget)
+            limit = min(limits[i], room, budget)
             if limit > 0:
-                drafts[i] = drafter.propose(seq, limit)
+                drafts[i] = drafter.propose(decoding[i], limit)
                 room -= len(drafts[i])
                 budget -= len(drafts[i])
-        # a verify forward costs about a decode step per fed token: it pays once the drafts
-        # at least double the tokens of the step (measured: docs/engine.md)
-        enough = sum(len(d) for d in drafts) >= self.speculation_min_drafts * len(decoding)
-        return drafts if enough and any(drafts) else None
+        if fixed:
+            enough = sum(len(d) for d in drafts) >= self.speculation_min_drafts * len(decoding)
+            return drafts if enough and any(drafts) else None
+        keep = speculative.plan_drafts(
+            len(decoding), [(len(d), seq.spec.p_accept) for d, seq in zip(drafts, decoding)],
+            cost, overhead)
+        drafts = [d[:n] for d, n in zip(drafts, keep)]
+        return drafts if any(drafts) else None
 
     def _verified(self, rows: list[Sequence], drafts: list[list[int]], widths: list[int],
                   drawn: list[int], drawn_logprobs: list[float]

@@ -16,8 +16,9 @@ prefill tokens just leave their keys and values), and logits are computed for th
 
 Parts: `_LayerWeights` (references to the model's parameters, re-read by `refresh()`),
 `ModelRunner.run` (inputs → logits), `ModelRunner.verify` (several tokens per decode row:
-speculative drafts checked in one pass, speculation.py), `_decode_attention` / `_attention`, `_AttentionPlan` (the
-per-step masks and indices every layer shares), `check_supported`. The maths mirrors
+speculative drafts checked in one pass, speculation.py), `_decode_attention` / `_attention` /
+`_verify_attention`, `_AttentionPlan` and `_VerifyPlan` (the per-step masks and indices every
+layer shares), `check_supported`. The maths mirrors
 `transformers`' Qwen2/Llama/Qwen3/Mistral modules op for op (RMSNorm in float32, rotary from
 the model's own rotary module), so greedy decoding matches `generate` token for token.
 """
@@ -176,9 +177,9 @@ class ModelRunner:
     def verify(self, feeds: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Speculative verification: row i (slot i) feeds `feeds[i]` (its last token, then its
         draft) at positions starts[i].. over its cached keys. Logits [sum(len(feed)), vocab]
-        for every fed token, row by row."""
+        for every fed token, row by row. Token-wise ops run over the packed tokens; attention
+        pads each row's queries to the longest feed (`_VerifyPlan`, built once per step)."""
         lengths = [len(feed) for feed in feeds]
-        rows, width = len(feeds), max(lengths)
         longest = max(s + n for s, n in zip(starts, lengths))
         self.kv.reserve(longest)
         cos_table, sin_table = self._rotary(longest)
@@ -186,28 +187,19 @@ class ModelRunner:
         ids = torch.tensor([t for feed in feeds for t in feed], device=dev)
         pos = torch.tensor([s + j for s, n in zip(starts, lengths) for j in range(n)], device=dev)
         slots = torch.tensor([r for r, n in enumerate(lengths) for _ in range(n)], device=dev)
-        pad_index, valid_index = _pad_valid(lengths, width, dev)
-        # query (row, j) sees keys 0..starts[row] + j: [rows * kv_heads, width * group, longest]
-        keys = torch.arange(longest, device=dev)
-        last = (torch.tensor(starts, device=dev)[:, None]
-                + torch.arange(width, device=dev)[None, :])  # [rows, width]
-        bias = torch.zeros(rows, width, longest, dtype=self.dtype, device=dev)
-        bias.masked_fill_(keys[None, None, :] > last[:, :, None], float("-inf"))
-        bias = (bias[:, None, :, None, :]
-                .expand(rows, self.num_kv_heads, width, self.group, longest)
-                .reshape(rows * self.num_kv_heads, width * self.group, longest))
+        plan = _VerifyPlan.build(starts, lengths, longest, self.num_kv_heads, self.group,
+                                 self.dtype, dev)
 
         cos = cos_table[pos][:, None, :]
         sin = sin_table[pos][:, None, :]
         half = self.head_dim // 2
         x = F.embedding(ids, self.embed)  # [T, hidden]
         num_tokens = x.shape[0]
-        hkv, g, hd = self.num_kv_heads, self.group, self.head_dim
         for index, w in enumerate(self.layers):
             h = _rms_norm(x, w.ln1, self.eps)
-            q = F.linear(h, w.q, w.q_bias).view(num_tokens, self.num_heads, hd)
-            k = F.linear(h, w.k, w.k_bias).view(num_tokens, hkv, hd)
-            v = F.linear(h, w.v, w.v_bias).view(num_tokens, hkv, hd)
+            q = F.linear(h, w.q, w.q_bias).view(num_tokens, self.num_heads, self.head_dim)
+            k = F.linear(h, w.k, w.k_bias).view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = F.linear(h, w.v, w.v_bias).view(num_tokens, self.num_kv_heads, self.head_dim)
             if w.q_norm is not None:
                 q = _rms_norm(q, w.q_norm, self.eps)
                 k = _rms_norm(k, w.k_norm, self.eps)
@@ -216,20 +208,30 @@ class ModelRunner:
             k_cache, v_cache = self.kv.layer(index)
             k_cache[slots, :, pos] = k
             v_cache[slots, :, pos] = v
-            # [rows, width, kv_heads, group, hd] -> [rows * kv_heads, width * group, hd]
-            qg = (q[pad_index].view(rows, width, hkv, g, hd).transpose(1, 2)
-                  .reshape(rows * hkv, width * g, hd))
-            k_all = k_cache[:rows, :, :longest].reshape(rows * hkv, longest, hd)
-            v_all = v_cache[:rows, :, :longest].reshape(rows * hkv, longest, hd)
-            scores = torch.baddbmm(bias, qg, k_all.transpose(1, 2), alpha=self.scale)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            out = (torch.bmm(probs, v_all).view(rows, hkv, width, g, hd).transpose(1, 2)
-                   .reshape(rows * width, self.num_heads * hd)[valid_index])
+            out = self._verify_attention(q, k_cache, v_cache, plan)
             x = x + F.linear(out, w.o, w.o_bias)
             h = _rms_norm(x, w.ln2, self.eps)
             h = self.act(F.linear(h, w.gate, w.gate_bias)) * F.linear(h, w.up, w.up_bias)
             x = x + F.linear(h, w.down, w.down_bias)
         return F.linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
+
+    def _verify_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          plan: "_VerifyPlan") -> torch.Tensor:
+        """q [T, heads, head_dim] (rows' fed tokens, packed) -> [T, heads * head_dim]: each
+        KV head's G query heads times the row's (padded) fed tokens are query rows against that
+        head's cache, as in decode attention; one gather in, one gather out."""
+        rows, hd, length = plan.num_rows, self.head_dim, plan.bias.shape[-1]
+        groups, heads = rows * self.num_kv_heads, plan.heads
+        # [T, kv_heads, G, hd] gathered to [rows, kv_heads, width, G, hd]: no transpose copy
+        qg = q.view(-1, self.num_kv_heads, self.group, hd)[plan.token_index, heads[:, None]]
+        keys = k_cache[:rows, :, :length].reshape(groups, length, hd)
+        values = v_cache[:rows, :, :length].reshape(groups, length, hd)
+        scores = torch.baddbmm(plan.bias, qg.view(groups, -1, hd), keys.transpose(1, 2),
+                               alpha=self.scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.bmm(probs, values).view(rows, self.num_kv_heads, -1, self.group, hd)
+        return out[plan.row_index, heads, plan.column_index].view(q.shape[0],
+                                                                  self.num_heads * hd)
 
     def _decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           bias: torch.Tensor) -> torch.Tensor:
@@ -289,6 +291,45 @@ class _AttentionPlan:
             pad_index, valid_index = _pad_valid(lengths, width, device)
         return _AttentionPlan(n, len(lengths), decode_bias, final_bias, width, pad_index,
                               valid_index)
+
+
+@dataclass(slots=True)
+class _VerifyPlan:
+    """A verify step's attention layout, built once and shared by every layer. Query rows are
+    (row, KV head, fed token j) with j padded to the longest feed (`width`; a padded j repeats
+    the row's last token, its output is dropped); `bias` [rows * kv_heads, width * G, longest]
+    lets (row, j) see keys 0..starts[row] + j. The gathers are advanced indexing with
+    broadcast index tensors: [rows, 1, width] x [1, kv_heads, 1] in, [T, 1] x [1, kv_heads] out."""
+
+    num_rows: int
+    bias: torch.Tensor
+    token_index: torch.Tensor  # [rows, 1, width]: the packed token at each padded (row, j)
+    row_index: torch.Tensor  # [T, 1]: each packed token's row
+    column_index: torch.Tensor  # [T, 1]: ... and its j
+    heads: torch.Tensor  # [kv_heads]
+
+    @staticmethod
+    def build(starts: list[int], lengths: list[int], longest: int, kv_heads: int, group: int,
+              dtype: torch.dtype, device: torch.device) -> "_VerifyPlan":
+        rows, width = len(lengths), max(lengths)
+        padded, row_of, column_of, offset = [], [], [], 0
+        for row, n in enumerate(lengths):
+            padded.extend(range(offset, offset + n))
+            padded.extend([offset + n - 1] * (width - n))
+            row_of.extend([row] * n)
+            column_of.extend(range(n))
+            offset += n
+        last = (torch.tensor(starts, device=device)[:, None]
+                + torch.arange(width, device=device)[None, :])  # [rows, width]
+        keys = torch.arange(longest, device=device)
+        bias = torch.zeros(rows, 1, width, 1, longest, dtype=dtype, device=device)
+        bias.masked_fill_((keys > last[:, :, None])[:, None, :, None, :], float("-inf"))
+        bias = bias.expand(rows, kv_heads, width, group, longest).reshape(
+            rows * kv_heads, width * group, longest)
+        return _VerifyPlan(rows, bias, torch.tensor(padded, device=device).view(rows, 1, width),
+                           torch.tensor(row_of, device=device)[:, None],
+                           torch.tensor(column_of, device=device)[:, None],
+                           torch.arange(kv_heads, device=device))
 
 
 def _length_bias(positions: list[int], kv_heads: int, dtype: torch.dtype, device: torch.device

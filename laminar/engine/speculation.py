@@ -30,11 +30,20 @@ Adaptive k (`SpecState`): after a fully accepted draft k grows by one (up to max
 a rejection it becomes the accepted count + 1. A sequence whose recent acceptance (an
 exponential average) is below `MIN_ACCEPTANCE` drafts only every `PROBE_EVERY` steps, so
 speculation costs almost nothing where no history helps (early in training, new prompts).
+
+When to draft (`plan_drafts`, the engine's default rule). A step's cost grows with the tokens it
+feeds (`StepCost`: the measured decode curve, knee.py). A row's i-th draft token adds p^i
+expected tokens, p its per-token acceptance (`SpecState.p_accept`, from `PRIOR_P_ACCEPT`);
+the step feeds the draft tokens of highest p^i that maximise expected tokens per unit cost, a
+verifying step also paying `VERIFY_OVERHEAD` (and one more forward when it admits), none when
+a plain step does better. Without the overhead, on an affine curve a + c·t (knee B = a / c) a
+draft token pays when p^i > n / (B + n) for n rows: most in the tail, little in a full batch.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 
 ORDERS = (4, 2)  # n-gram orders matched, longest first
 MAX_ENTRIES = 4  # occurrences kept per n-gram, most recent last
@@ -42,6 +51,81 @@ MAX_STREAMS = 64  # outputs kept per prompt (the oldest half dropped beyond this
 MIN_ACCEPTANCE = 0.3
 PROBE_EVERY = 8
 _EMA = 0.3  # weight of the newest verification in the acceptance average
+PRIOR_P_ACCEPT = 0.5  # a sequence's per-token acceptance before its first verification
+DEFAULT_KNEE = 32  # tokens at which a step costs twice a 1-token step, when none is measured
+# what a verifying step costs beyond its tokens, in 1-token steps: the drafter's lookups, the
+# attention layout, the acceptance bookkeeping (an estimate: the layout alone is 0.1-0.5 of a
+# 1-token step here, docs/engine.md); a step that also admits pays one more forward (its
+# prefills run in their own forward after the verify)
+VERIFY_OVERHEAD = 0.4
+
+
+class StepCost:
+    """A step's cost as a function of the tokens it feeds: piecewise linear through a measured
+    decode curve {tokens: ms} (knee.py's `curve_ms`: one token per row), extended along its last
+    segment; without a curve, affine with the knee at `DEFAULT_KNEE` tokens (relative units)."""
+
+    __slots__ = ("points", "_table")
+
+    def __init__(self, curve: Mapping[int, float] | None = None) -> None:
+        if curve is None:
+            curve = {1: DEFAULT_KNEE + 1.0, 2 * DEFAULT_KNEE: 3.0 * DEFAULT_KNEE}
+        points = sorted((int(t), float(ms)) for t, ms in curve.items())
+        if len(points) < 2 or points[0][0] < 1 or any(ms <= 0 for _, ms in points):
+            raise ValueError(f"a step cost curve needs 2+ points at tokens >= 1 with positive "
+                             f"costs, got {dict(curve)}")
+        self.points = points
+        self._table: list[float] = []  # cost at 0, 1, 2, ... tokens, filled on demand
+
+    def __call__(self, tokens: int) -> float:
+        table = self._table
+        if tokens >= len(table):
+            table.extend(self._interpolate(t) for t in range(len(table), 2 * tokens + 64))
+        return table[tokens]
+
+    def _interpolate(self, tokens: int) -> float:
+        pts = self.points
+        for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
+            if tokens <= t1 or t1 == pts[-1][0]:
+                return max(c0 + (c1 - c0) * (tokens - t0) / (t1 - t0), 1e-9 * c0)
+        raise AssertionError("unreachable: the loop's last segment returns")
+
+
+def plan_drafts(num_rows: int, offers: list[tuple[int, float]], cost: Callable[[int], float],
+                overhead: float = 0.0) -> list[int]:
+    """Draft tokens each row should feed this step. `offers[r]` = (up to how many row r may
+    feed, its per-token acceptance p); `num_rows` decode rows feed one token each anyway.
+    Row r's i-th draft token is worth p^i expected tokens (all before it accepted); the step
+    takes the most valuable tokens while each raises expected tokens / (cost(num_rows + m) +
+    overhead), `overhead` being what a verifying step costs beyond its tokens (on a cost curve
+    whose slope does not fall, that rate rises then falls: the first fall is the best); then
+    keeps them only if that beats a plain step's num_rows / cost(num_rows). Zeros otherwise."""
+    plain = num_rows / cost(num_rows)
+    likeliest = max((p for k, p in offers if k > 0), default=0.0)
+    if not may_pay(num_rows, sum(k for k, _ in offers), likeliest, cost, overhead):
+        return [0] * len(offers)  # the common case in a full batch, decided without sorting
+    values = sorted(((p ** i, r) for r, (k, p) in enumerate(offers) for i in range(1, k + 1)),
+                    reverse=True)
+    lengths, expected = [0] * len(offers), float(num_rows)
+    rate = num_rows / (cost(num_rows) + overhead)
+    for m, (value, r) in enumerate(values, 1):
+        expected += value
+        with_it = expected / (cost(num_rows + m) + overhead)
+        if with_it <= rate:
+            break
+        rate = with_it
+        lengths[r] += 1
+    return lengths if rate > plain else [0] * len(offers)
+
+
+def may_pay(num_rows: int, num_drafts: int, p: float, cost: Callable[[int], float],
+            overhead: float = 0.0) -> bool:
+    """Whether any of `num_drafts` draft tokens, none accepted with more than probability p,
+    could make a step beat a plain one (`plan_drafts`' rate with every value at p, checked at
+    one token and at all of them: on an affine cost the rate is monotonic in between)."""
+    plain = num_rows / cost(num_rows)
+    return any((num_rows + m * p) / (cost(num_rows + m) + overhead) > plain
+               for m in {1, num_drafts} if m > 0)
 
 
 def accept(draft: list[int], drawn: list[int]) -> int:
@@ -136,11 +220,13 @@ class PromptIndex:
 class SpecState:
     """A sequence's place in the drafter: its prompt's index, its stream, its adaptive k."""
 
-    __slots__ = ("index", "stream", "k", "acceptance", "wait")
+    __slots__ = ("index", "stream", "k", "acceptance", "wait", "p_accept")
 
     def __init__(self, index: PromptIndex, stream: int, k: int) -> None:
         self.index, self.stream, self.k = index, stream, k
         self.acceptance = 1.0  # optimistic: a new sequence drafts at once
+        # P(a draft token is accepted | the ones before it were): plan_drafts' p
+        self.p_accept = PRIOR_P_ACCEPT
         self.wait = 0  # steps until the next probe while acceptance is low
 
 
@@ -189,5 +275,8 @@ class Drafter:
     def feedback(self, seq, num_drafted: int, num_accepted: int) -> None:
         state = seq.spec
         state.acceptance += _EMA * (num_accepted / num_drafted - state.acceptance)
+        # tokens tested: the accepted ones and the first rejected one, if any
+        p = num_accepted / (num_accepted + (num_accepted < num_drafted))
+        state.p_accept += _EMA * (p - state.p_accept)
         state.k = (min(self.max_draft, state.k + 1) if num_accepted == num_drafted
                    else num_accepted + 1)
