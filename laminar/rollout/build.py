@@ -30,6 +30,7 @@ import torch
 from laminar.config import Config, ConfigError
 from laminar.devices import resolve_device
 from laminar.engine import build_engine
+from laminar.engine.knee import cached_knee
 from laminar.engine.lora import rollout_lora
 from laminar.engine.protocol import RolloutEngine
 from laminar.models import load_pretrained
@@ -76,10 +77,23 @@ def engine_factory(cfg: Config, model_dir: str, tokenizer: Any, version: int, se
             model = model.to(device)
         # vllm: left on the host; vLLM loads the saved copy on its own device (module docstring)
         engine = build_engine(cfg.rollout.engine, model.eval(), tokenizer.eos_token_id,
-                              tokenizer.pad_token_id, version, seed)
+                              tokenizer.pad_token_id, version, seed,
+                              step_cost_ms=step_cost(cfg, device))
         if not isinstance(engine, RolloutEngine):  # the hf baseline: generate() only
             raise ConfigError(f"rollout.engine.backend={cfg.rollout.engine.backend!r} cannot run "
                               "a rollout (no add/step); use 'native'")
         return engine
 
     return make
+
+
+def step_cost(cfg: Config, device: torch.device) -> dict[int, float] | None:
+    """The native engine's measured decode curve {tokens: ms}, which speculation's cost rule
+    drafts by (laminar/engine/speculation.py): the CPU's cached curve (measured once per model
+    and thread count, .cache/engine-knee-*.json). None without speculation, and on a GPU, whose
+    curve is not measured (the rule's default shape then)."""
+    if not cfg.rollout.engine.speculation or cfg.rollout.engine.backend != "native" \
+            or device.type != "cpu":
+        return None
+    knee = cached_knee(cfg.model.preset, cfg.model.path, cfg.rollout.threads)
+    return {int(tokens): ms for tokens, ms in knee["curve_ms"].items()}
