@@ -13,6 +13,7 @@ trainer or bench lora — and quotes the numbers their docs quote. JSONs without
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -207,7 +208,8 @@ def _modes(d: dict[str, Any]) -> str:
 
 
 def _ratios(by_mode: dict[str, float]) -> str:
-    return ", ".join(f"{mode} {r:.2f}x" for mode, r in by_mode.items())
+    """Cut to two decimals, never rounded up (1.195x against a 1.2x target reads 1.19x)."""
+    return ", ".join(f"{mode} {math.floor(r * 100) / 100:.2f}x" for mode, r in by_mode.items())
 
 
 def _commit(p: dict[str, Any]) -> str:
