@@ -62,7 +62,7 @@ class Blocks(Echo):
 
 class Slow(Echo):
     async def step(self, text):
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(3.0)  # the window in which the tests below look
         return StepResult("", 1.0, True, {})
 
 class BadReset(Echo):
@@ -313,7 +313,8 @@ def test_episodes_in_their_tools_do_not_hold_back_new_groups(env_dir):
     a = world.loop("a")
     episodes = a.finisher.episodes
     stepping("the first group's two episodes to wait on their tool", a.step,
-             lambda: episodes.num_waiting == 2)
+             lambda: len(episodes.calling) == 2 and all(
+                 ep.call_kind == "step" for ep in episodes.calling.values()))
     first = set(episodes.calling)
     stepping("a second group to start while the first waits", a.step,
              lambda: a.counters.batches >= 2)
@@ -345,7 +346,7 @@ def test_an_evaluation_waiting_on_its_tools_lets_the_loop_nap(env_dir):
     stepping("every episode of the evaluation in its tool", loop.step,
              lambda: len(episodes.calling) == 4 and all(
                  ep.call_kind == "step" for ep in episodes.calling.values()))
-    assert not loop.step()  # nothing to decode until a tool answers (1 s)
+    assert not loop.step()  # nothing to decode until a tool answers (3 s)
     results: list = []
     stepping("the evaluation to finish", loop.step,
              lambda: results.extend(loop.take_records()["evals"]) or results)
