@@ -43,7 +43,7 @@ def print_tables(report: dict[str, Any], other_steps: int, breakdown_keys: tuple
                 m, f"{s['throughput_by_mode'][m]:.0f}",
                 "-" if m == "laminar" or m not in s["ratio_laminar_vs"] else
                 f"{s['ratio_laminar_vs'][m]:.2f}x" + (f" ({rng[0]:.2f}-{rng[1]:.2f})" if rng else ""),
-                f"{s['run_wall_s_per_update_by_mode'][m]:.2f}" if "run_wall_s_per_update_by_mode" in s else "-",
+                f"{s['run_wall_s_per_update_by_mode'][m]:.2f}",
                 "-" if final is None else f"{fmt(s['heldout_start'], '.2f')} -> {final['median']:.2f}",
                 "-" if m not in s["time_to_heldout_target_s_by_mode"] else
                 f"{ttt:.0f} s" if ttt is not None else "not reached",
@@ -76,9 +76,7 @@ def print_tables(report: dict[str, Any], other_steps: int, breakdown_keys: tuple
                 "CPU s per 1k trained tokens"):
         cpu.add_column(col)
     for m, c in report["cpu_by_mode"].items():
-        busy = c.get("machine_s")  # older result files have no machine-wide figure
         cpu.add_row(m, f"{c['wall_s']:.0f}", *(f"{c['seconds'].get(p, 0):.1f}" for p in parts),
-                    f"{c['rest_s']:.1f}" if busy is not None else "-",
-                    f"{busy / c['wall_s']:.2f}" if busy is not None else "-",
+                    f"{c['rest_s']:.1f}", f"{c['machine_s'] / c['wall_s']:.2f}",
                     f"{c['per_trained_ktoken']:.3f}")
     console.print(cpu)

@@ -68,6 +68,7 @@ def engine_factory(cfg: Config, model_dir: str, tokenizer: Any, version: int, se
     takes the model its process loaded with the tokenizer); without it they are read from
     `model_dir` again. A `rollout.device` this process cannot use is a ConfigError here."""
     device = resolve_device(cfg.rollout.device, "rollout.device")
+    cost = step_cost(cfg, device)  # read once: every engine of this factory drafts by it
 
     def make(model: torch.nn.Module | None = None) -> RolloutEngine:
         if model is None:
@@ -78,7 +79,7 @@ def engine_factory(cfg: Config, model_dir: str, tokenizer: Any, version: int, se
         # vllm: left on the host; vLLM loads the saved copy on its own device (module docstring)
         engine = build_engine(cfg.rollout.engine, model.eval(), tokenizer.eos_token_id,
                               tokenizer.pad_token_id, version, seed,
-                              step_cost_ms=step_cost(cfg, device))
+                              step_cost_ms=cost)
         if not isinstance(engine, RolloutEngine):  # the hf baseline: generate() only
             raise ConfigError(f"rollout.engine.backend={cfg.rollout.engine.backend!r} cannot run "
                               "a rollout (no add/step); use 'native'")
