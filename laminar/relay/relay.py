@@ -151,15 +151,23 @@ class Relay:
         """Encode each chunk against the base, in order, waking the feeder after each; a chunk
         whose delta would not be smaller goes whole (b"")."""
         delta = buf.delta
+        whole = 0  # bytes of the chunks that go whole, counted as they are encoded
         try:
             for i in range(buf.header.num_chunks):
-                payload = encode_chunk(buf.chunk(i), base.chunk(i))
+                chunk = buf.chunk(i)
+                payload = encode_chunk(chunk, base.chunk(i))
+                whole += len(chunk) if payload[0] == RAW else 0
                 with self.store.cond:
                     delta.payloads[i] = b"" if payload[0] == RAW else payload
                     self.store.cond.notify_all()
-            self._last_delta_ratio = (delta.nbytes + sum(
-                len(buf.chunk(i)) for i, p in enumerate(delta.payloads) if not p)) / buf.header.nbytes
+            self._last_delta_ratio = (delta.nbytes + whole) / buf.header.nbytes
             self.delta_counts["built"] = self.delta_counts.get("built", 0) + 1
+        except (ValueError, BufferError):
+            if not self._stop.is_set():
+                raise
+            # stop() closed the store under this thread: its slots' memory is gone, and so is
+            # every feeder that would have sent the delta
+            log.debug("relay %s: delta of v%d abandoned at shutdown", self.id, buf.version)
         finally:
             with self.store.cond:  # whatever happened, no feeder waits for ever: the rest whole
                 delta.payloads = [b"" if p is None else p for p in delta.payloads]
