@@ -1,7 +1,8 @@
 """What the vllm backend (laminar/engine/vllm_engine.py) needs around vLLM's engine: importing
 vLLM set up for in-process engines, the worker extension that loads weights in place, KV cache
-sizing, finish reasons, reading a Hugging Face checkpoint's tensors, and a shutdown that keeps
-the process-wide state other in-process engines still use."""
+sizing, the speculative config of `rollout.engine.speculation`, finish reasons, reading a
+Hugging Face checkpoint's tensors, and a shutdown that keeps the process-wide state other
+in-process engines still use."""
 
 from __future__ import annotations
 
@@ -33,7 +34,32 @@ def import_vllm() -> Any:
     except ImportError as exc:
         raise ConfigError(f"rollout.engine.backend='vllm' needs vLLM, which cannot be imported "
                           f"here ({exc}); {INSTALL_HINT}") from None
+    _register_cpu_kernels_once()
     return vllm
+
+
+def _register_cpu_kernels_once() -> None:
+    """On vLLM's CPU platform, register its C++ stand-ins for Triton kernels at the first
+    engine start of the process only. vLLM 0.32 registers them again at every engine start
+    (the same kernels, "already registered. Overwriting.") and each time scans every loaded
+    module's namespace; once an n-gram speculating engine has imported numba, that scan fails
+    on llvmlite's library object (`'_lib_fn_wrapper' object has no attribute 'get'`), so no
+    later engine of the process could start (the rollout's evaluator, a resumed rollout's)."""
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    register = getattr(platform, "register_triton_kernel_overrides", None)
+    if not current_platform.is_cpu() or register is None or getattr(register, "once", False):
+        return
+    done: list[bool] = []
+
+    def once() -> None:
+        if not done:
+            register()
+            done.append(True)
+
+    once.once = True  # type: ignore[attr-defined]
+    platform.register_triton_kernel_overrides = staticmethod(once)
 
 
 def check_servable(vllm: Any, config: Mapping[str, Any], where: str, dtype: torch.dtype,
@@ -75,6 +101,42 @@ def kv_cache_bytes(capacity_tokens: int, block_size: int, per_token: int) -> int
     """The `kv_cache_memory_bytes` that holds at least `capacity_tokens` (whole blocks, plus the
     one block vLLM keeps as its null block)."""
     return (math.ceil(capacity_tokens / block_size) + 1) * block_size * per_token
+
+
+# vLLM's n-gram drafter matches the context's last n tokens for n in [min, max], longest first:
+# the native drafter's orders (speculation.ORDERS = (4, 2))
+NGRAM_LOOKUP = (2, 4)
+
+
+def speculative_config(speculation: int) -> dict[str, Any] | None:
+    """vLLM's `speculative_config` for `rollout.engine.speculation` = k: its n-gram drafter
+    (prompt lookup over the request's own prompt and output), up to k drafted tokens per
+    request and step, verified by the target model with vLLM's rejection sampler; None for 0.
+    The same on CPU and CUDA: vLLM 0.32 runs n-gram speculation on both (docs/engine.md)."""
+    if speculation <= 0:
+        return None
+    low, high = NGRAM_LOOKUP
+    return {"method": "ngram", "num_speculative_tokens": speculation,
+            "prompt_lookup_min": low, "prompt_lookup_max": high}
+
+
+def engine_kwargs(model_path: str, dtype: str, max_batch_size: int, max_model_len: int,
+                  kv_cache_memory_bytes: int, block_size: int, enforce_eager: bool, seed: int,
+                  speculation: int = 0) -> dict[str, Any]:
+    """The `vllm.EngineArgs` of one in-process laminar engine (token ids in and out, the
+    request's parameters only, processed log-probs, the in-place weight loader). With
+    speculation, vLLM's n-gram drafter and per-request draft counts (`stats()` sums them)."""
+    kwargs = dict(
+        model=model_path, skip_tokenizer_init=True, dtype=dtype, max_num_seqs=max_batch_size,
+        max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
+        block_size=block_size, logprobs_mode="processed_logprobs", generation_config="vllm",
+        enforce_eager=enforce_eager, seed=seed, disable_log_stats=True,
+        distributed_executor_backend="uni",
+        worker_extension_cls=f"{WeightLoader.__module__}.{WeightLoader.__qualname__}")
+    spec = speculative_config(speculation)
+    if spec is not None:
+        kwargs.update(speculative_config=spec, per_request_spec_decode_metrics="summary")
+    return kwargs
 
 
 def finish_reason(output: list[int], eos_token_id: int, stop_ids: frozenset[int],
