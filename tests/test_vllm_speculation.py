@@ -14,6 +14,7 @@ one repeated token."""
 from __future__ import annotations
 
 import importlib.util
+from collections import Counter
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ import torch
 from laminar.config import EngineConfig
 from laminar.engine import build_engine
 from laminar.engine.vllm_support import engine_kwargs, speculative_config
-from laminar.models import EOS_ID, PAD_ID, build_preset
+from laminar.models import BOS_ID, EOS_ID, PAD_ID, build_preset
 from laminar.types import GenerationRequest, SamplingParams
 from harness import make_prompts, requests, sharpen
 
@@ -204,3 +205,67 @@ def test_sampled_logprobs_are_the_target_models(engines, model, params):
           f"drafted {drafted}, accepted {accepted}; {len(diff)} tokens, |dlogprob| vs "
           f"transformers max {diff.max().item():.1e}")
     assert diff.max().item() <= 1e-4
+
+
+def chi_square_p(a: list[list[int]], b: list[list[int]]) -> float:
+    """Two-sample chi-square homogeneity test of the per-position token counts of `a` and `b`
+    (sequences of equal length), positions pooled into one statistic; the p-value. Tokens seen
+    fewer than 10 times at a position (both arms) share one cell, so no expected count is tiny
+    (unpooled, two plain runs of this test's sampling scored p = 0.01)."""
+    stat, dof = 0.0, 0
+    for pos in range(len(a[0])):
+        ca, cb = Counter(s[pos] for s in a), Counter(s[pos] for s in b)
+        tokens = set(ca) | set(cb)
+        rare = [t for t in tokens if ca[t] + cb[t] < 10]
+        cells = [[ca[t], cb[t]] for t in tokens if ca[t] + cb[t] >= 10]
+        if rare:
+            cells.append([sum(ca[t] for t in rare), sum(cb[t] for t in rare)])
+        counts = torch.tensor(cells, dtype=torch.float64).T  # [2 arms, cells]
+        expected = counts.sum(1, keepdim=True) * counts.sum(0, keepdim=True) / counts.sum()
+        stat += float(((counts - expected) ** 2 / expected).sum())
+        dof += len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_temperature_1_distribution_is_the_models_and_the_test_has_power(engines, model,
+                                                                          monkeypatch):
+    """400 samples of one prompt at temperature 1 (top-k 3, 6 tokens, no EOS) from each engine
+    on the peaked weights: a chi-square test cannot tell vLLM's speculation from none. The same
+    test sees a rejection sampler that verifies drafts at half the temperature (the kind of
+    error vLLM 0.32's CPU expand kernel made, docs/engine.md)."""
+    target = peaked()
+    prompt = [BOS_ID, 30, 31, 32, 30, 31, 32, 30, 31]
+    params = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=6)
+
+    def sample(engine, tag: str) -> tuple[list[list[int]], int]:
+        accepted = engine.stats().num_accepted_tokens
+        reqs = [GenerationRequest(f"{tag}{i}", list(prompt), params) for i in range(400)]
+        run(engine, reqs)
+        assert all(len(r.output_ids) == 6 for r in reqs)
+        return [r.output_ids for r in reqs], engine.stats().num_accepted_tokens - accepted
+
+    for engine in engines:
+        engine.eos_token_id = 10_000  # no EOS: every sample has all its positions
+        engine.load_weights(target.state_dict(), version=1)
+    try:
+        plain, _ = sample(engines[0], "plain-")
+        spec, accepted = sample(engines[1], "spec-")
+        from vllm.v1.sample import rejection_sampler  # vllm: the module under test
+
+        expand = rejection_sampler.expand_batch_to_tokens
+        monkeypatch.setattr(rejection_sampler, "expand_batch_to_tokens", lambda *a, **kw: (
+            expand(*a, **kw) * 0.5 if kw.get("replace_to") == 1 else expand(*a, **kw)))
+        broken, _ = sample(engines[1], "broken-")
+    finally:
+        for engine in engines:
+            engine.eos_token_id = EOS_ID
+            engine.load_weights(model.state_dict(), version=0, force=True)
+    p_spec, p_broken = chi_square_p(plain, spec), chi_square_p(plain, broken)
+    print(f"\nvllm T=1: {accepted} drafts accepted; chi-square p, plain vs speculation "
+          f"{p_spec:.3f}, vs drafts verified at T/2 {p_broken:.1e}")
+    assert accepted > 0
+    assert p_spec > 0.01
+    assert p_broken < 1e-4

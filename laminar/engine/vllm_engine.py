@@ -37,6 +37,12 @@ and the prefix cache is reset, so nothing computed with older weights is ever se
 vLLM reloads whole layers, so a partial load (trainer.lora: the merged target modules) is
 completed with the starting checkpoint's other tensors, which no load has changed.
 
+Speculation (`speculation` = k > 0, rollout.engine.speculation): vLLM's n-gram drafter and
+standard rejection sampler (vllm_support.speculative_config); a step may then emit several
+tokens per request, each with the target model's log-prob. vLLM counts drafts per request;
+`stats()` sums them into the native engine's counters (docs/engine.md, "Speculative decoding on
+the vllm backend", for where this is lossless and where not).
+
 Sampling seeds: vLLM seeds its process-wide RNG from `seed` at start. A per-request
 `params.seed` is passed to vLLM on GPUs only: on the CPU backend a per-request generator kills
 the engine core (vLLM 0.32), so there it is ignored.
