@@ -53,6 +53,25 @@ def test_speculation_builds_vllms_ngram_config():
     assert EngineConfig(backend="vllm", speculation=K).speculation == K  # once refused
 
 
+@needs_vllm
+def test_draft_positions_get_their_requests_sampling_parameters():
+    """The regression behind `_expand_in_torch`: vLLM 0.32's CPU expand kernel returned
+    uninitialised memory for the float32 temperatures (and int32 top-k) it spreads over the
+    draft positions, so sampled speculation verified drafts at garbage temperatures."""
+    from laminar.engine.vllm_support import import_vllm
+
+    import_vllm()
+    from vllm.v1.sample import rejection_sampler  # vllm: the module under test
+
+    cu_num_drafts = torch.tensor([2, 2, 5], dtype=torch.int32)  # 2, 0 and 3 drafts
+    temperature = rejection_sampler.expand_batch_to_tokens(
+        torch.tensor([0.7, 0.5, 0.0]), cu_num_drafts, 5, replace_from=0, replace_to=1)
+    assert temperature.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0])  # greedy: 1
+    top_k = rejection_sampler.expand_batch_to_tokens(
+        torch.tensor([8, 3, 5], dtype=torch.int32), cu_num_drafts, 5)
+    assert top_k.tolist() == [8, 8, 5, 5, 5] and top_k.dtype == torch.int32
+
+
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
     return sharpen(build_preset("tiny", seed=3), factor=3.0)

@@ -148,8 +148,8 @@ def kv_cache_bytes(capacity_tokens: int, block_size: int, per_token: int) -> int
     return (math.ceil(capacity_tokens / block_size) + 1) * block_size * per_token
 
 
-# vLLM's n-gram drafter matches the context's last n tokens for n in [min, max], longest first:
-# the native drafter's orders (speculation.ORDERS = (4, 2))
+# vLLM's n-gram drafter matches the longest suffix of the context of min..max tokens: the
+# native drafter's orders (speculation.ORDERS = (4, 2)) and 3 between
 NGRAM_LOOKUP = (2, 4)
 
 
