@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from laminar.config.base import Device, Section, device_setting
 
@@ -30,23 +30,19 @@ class EngineConfig(Section):
         "CUDA graphs: a longer start, a faster decode on GPUs.")
 
     speculation: int = Field(
-        0, ge=0, le=16, description="native: lossless speculative decoding, up to this many "
-        "drafted tokens per sequence and step (0 = off). Drafts come from the outputs the engine "
-        "has seen for the same prompt (the group's siblings, earlier epochs) and the context's "
-        "n-grams; the model verifies them in one forward and keeps exactly the tokens it would "
-        "have sampled, so outputs and log-probs are those without speculation (docs/engine.md).")
+        0, ge=0, le=16, description="Speculative decoding, up to this many drafted tokens per "
+        "sequence and step (0 = off). native: drafts from the outputs the engine has seen for "
+        "the same prompt (the group's siblings, earlier epochs) and the context's n-grams; the "
+        "model verifies them in one forward and keeps exactly the tokens it would have "
+        "sampled, so outputs and log-probs are those without speculation. vllm: vLLM's n-gram "
+        "drafter (prompt lookup over the request's own context, n = 2..4) and rejection "
+        "sampler: greedy outputs are the plain ones (up to float rounding), sampled ones have "
+        "the model's distribution but other draws than without it for a seed; the log-probs "
+        "are the target model's either way (docs/engine.md).")
     dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="The dtype the engine holds the weights and runs in (the native "
         "engine on CPU or GPU, vllm its `dtype`). `bf16` halves its memory and is what a "
         "served model usually runs in; trainer.publish_dtype=auto then publishes bf16 versions.")
-
-    @model_validator(mode="after")
-    def _speculation_is_native(self) -> "EngineConfig":
-        if self.speculation and self.backend != "native":
-            raise ValueError(f"rollout.engine.speculation={self.speculation} is implemented by "
-                             f"the native engine only, not backend={self.backend}; set "
-                             "rollout.engine.speculation=0 or rollout.engine.backend=native")
-        return self
 
     @field_validator("backend", mode="before")
     @classmethod

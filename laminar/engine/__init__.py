@@ -22,7 +22,8 @@ def build_engine(cfg: EngineConfig, model, eos_token_id: int, pad_token_id: int,
         return _engine_class("VLLMEngine")(
             model, eos_token_id, pad_token_id, max_batch_size=cfg.max_batch_size,
             kv_capacity_tokens=cfg.kv_capacity_tokens, version=version, seed=seed,
-            block_size=cfg.vllm_block_size, enforce_eager=cfg.vllm_enforce_eager)
+            block_size=cfg.vllm_block_size, enforce_eager=cfg.vllm_enforce_eager,
+            speculation=cfg.speculation)
     if cfg.backend == "hf":
         return _engine_class("HFEngine")(model, eos_token_id, pad_token_id,
                                          max_batch_size=cfg.max_batch_size, version=version)

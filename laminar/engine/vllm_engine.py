@@ -37,6 +37,12 @@ and the prefix cache is reset, so nothing computed with older weights is ever se
 vLLM reloads whole layers, so a partial load (trainer.lora: the merged target modules) is
 completed with the starting checkpoint's other tensors, which no load has changed.
 
+Speculation (`speculation` = k > 0, rollout.engine.speculation): vLLM's n-gram drafter and
+standard rejection sampler (vllm_support.speculative_config); a step may then emit several
+tokens per request, each with the target model's log-prob. vLLM counts drafts per request;
+`stats()` sums them into the native engine's counters (docs/engine.md, "Speculative decoding on
+the vllm backend", for where this is lossless and where not).
+
 Sampling seeds: vLLM seeds its process-wide RNG from `seed` at start. A per-request
 `params.seed` is passed to vLLM on GPUs only: on the CPU backend a per-request generator kills
 the engine core (vLLM 0.32), so there it is ignored.
@@ -58,9 +64,9 @@ import torch
 
 from laminar.config import ConfigError
 from laminar.engine.protocol import NamedTensors, check_request
-from laminar.engine.vllm_support import (WeightLoader, check_servable, checkpoint_names,
-                                          finish_reason, import_vllm,
-                                          kv_bytes_per_token, kv_cache_bytes, read_tensors,
+from laminar.engine.vllm_support import (check_servable, checkpoint_names, engine_kwargs,
+                                          finish_reason, import_vllm, kv_bytes_per_token,
+                                          kv_cache_bytes, read_tensors,
                                           shut_down_keeping_process_state)
 from laminar.types import EngineStats, GenerationRequest, TokenDelta
 
@@ -68,10 +74,17 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: 
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # the VLLMEngines of this process not yet closed
 
 
+def _draft_counts(metrics: Any) -> tuple[int, int]:
+    """(drafted, accepted) tokens of one vLLM request (its `RequestSpecDecodeMetrics`: a
+    histogram of accepted drafts per verifying step, and the drafted tokens)."""
+    return metrics.num_draft_tokens, sum(j * n for j, n in enumerate(metrics.histogram))
+
+
 class _Live:
     """A request inside the engine: the laminar object plus vLLM's id and resume accounting."""
 
-    __slots__ = ("request", "stop_ids", "stop_seqs", "internal_id", "reprefill", "done_on_add")
+    __slots__ = ("request", "stop_ids", "stop_seqs", "internal_id", "reprefill", "done_on_add",
+                 "drafts")
 
     def __init__(self, request: GenerationRequest, eos_token_id: int) -> None:
         self.request = request
@@ -80,6 +93,7 @@ class _Live:
         self.internal_id: str | None = None  # vLLM's request id while it is inside vLLM
         self.reprefill = 0  # context tokens to prefill again (a resume), until its first token
         self.done_on_add = False  # resumed with nothing left to generate
+        self.drafts: Any = None  # speculation: vLLM's draft counts of its request while inside
 
 
 class VLLMEngine:
@@ -88,7 +102,7 @@ class VLLMEngine:
     def __init__(self, model: torch.nn.Module | None, eos_token_id: int, pad_token_id: int = 0,
                  max_batch_size: int = 64, kv_capacity_tokens: int = 16384, version: int = 0,
                  seed: int = 0, model_path: str | None = None, block_size: int = 32,
-                 enforce_eager: bool = True) -> None:
+                 enforce_eager: bool = True, speculation: int = 0) -> None:
         if (model is None) == (model_path is None):
             raise ValueError("VLLMEngine needs exactly one of model (a torch module) and "
                              "model_path (a Hugging Face model directory)")
@@ -123,6 +137,11 @@ class VLLMEngine:
         self.num_generated_tokens = 0
         self.num_reprefill_tokens = 0
         self.reprefill_s = 0.0
+        self.speculation = speculation
+        # speculation: drafted and accepted tokens of requests no longer inside vLLM, and the
+        # steps in which vLLM verified drafts (the native engine's counters)
+        self._past_drafts = [0, 0]
+        self.num_spec_steps = 0
         self._live: dict[str, _Live] = {}
         from vllm.platforms import current_platform
 
@@ -134,14 +153,10 @@ class VLLMEngine:
         per_token = kv_bytes_per_token(config, dtype)
         # vLLM refuses to start unless one request of max_model_len fits the KV cache
         self.max_model_len = min(max_positions, (kv_capacity_tokens // block_size) * block_size)
-        args = vllm.EngineArgs(
-            model=str(model_path), skip_tokenizer_init=True, dtype=_DTYPES.get(dtype, "auto"),
-            max_num_seqs=max_batch_size, max_model_len=self.max_model_len,
-            kv_cache_memory_bytes=kv_cache_bytes(kv_capacity_tokens, block_size, per_token),
-            block_size=block_size, logprobs_mode="processed_logprobs", generation_config="vllm",
-            enforce_eager=enforce_eager, seed=seed, disable_log_stats=True,
-            distributed_executor_backend="uni",
-            worker_extension_cls=f"{WeightLoader.__module__}.{WeightLoader.__qualname__}")
+        args = vllm.EngineArgs(**engine_kwargs(
+            str(model_path), _DTYPES.get(dtype, "auto"), max_batch_size, self.max_model_len,
+            kv_cache_bytes(kv_capacity_tokens, block_size, per_token), block_size,
+            enforce_eager, seed, speculation))
         from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.executor import Executor
 
@@ -218,6 +233,8 @@ class VLLMEngine:
             seed=None if self._on_cpu else params.seed, output_kind=self._delta_kind)
         live.internal_id = self._engine.add_request(
             request.request_id, self._tokens_prompt(prompt_token_ids=context), sampling)
+        if self.speculation:  # vLLM counts its drafts per request (in-process: the same object)
+            live.drafts = self._scheduler.requests[live.internal_id].spec_decode_metrics
 
     def _withdraw(self, lives: list[_Live]) -> None:
         """Take requests out of vLLM (they stay ours)."""
@@ -225,7 +242,16 @@ class VLLMEngine:
         if inside:
             self._engine.abort_request(inside)
         for live in lives:
-            live.internal_id = None
+            self._left_vllm(live)
+
+    def _left_vllm(self, live: _Live) -> None:
+        """The request is no longer inside vLLM: its draft counts join the past ones."""
+        live.internal_id = None
+        if live.drafts is not None:
+            drafted, accepted = _draft_counts(live.drafts)
+            self._past_drafts[0] += drafted
+            self._past_drafts[1] += accepted
+            live.drafts = None
 
     def abort(self, ids: list[str]) -> list[GenerationRequest]:
         """Remove requests (running or waiting); returns their state, unfinished. Unknown ids
@@ -253,6 +279,7 @@ class VLLMEngine:
                   if live.done_on_add]
         if not self._engine.has_unfinished_requests():
             return deltas
+        drafted = self.num_drafted_tokens if self.speculation else 0
         t0 = time.perf_counter()
         outputs = self._engine.step()
         seconds = time.perf_counter() - t0
@@ -267,8 +294,10 @@ class VLLMEngine:
                 step_tokens += redone
                 live.reprefill = 0
             else:
-                step_tokens += 1
+                step_tokens += max(len(output.outputs[0].token_ids), 1)
             deltas.append(self._apply(live, output.outputs[0]))
+        if self.speculation and self.num_drafted_tokens > drafted:
+            self.num_spec_steps += 1
         if reprefill:
             self.num_reprefill_tokens += reprefill
             self.reprefill_s += seconds * reprefill / max(step_tokens, 1)
@@ -299,7 +328,7 @@ class VLLMEngine:
         if reason is not None:
             if completion.finish_reason is None:  # a stop sequence, seen here first
                 self._withdraw([live])
-            live.internal_id = None
+            self._left_vllm(live)
             request.finish_reason = reason
             del self._live[request.request_id]
         return TokenDelta(request.request_id, tokens, logprobs, reason)
@@ -369,14 +398,35 @@ class VLLMEngine:
         self._replaced |= given
         return [(name, torch.as_tensor(tensor)) for name, tensor in named.items()]
 
+    def _drafts(self) -> tuple[int, int]:
+        """Drafted and accepted tokens since the start (vLLM's per-request counts, summed)."""
+        drafted, accepted = self._past_drafts
+        for live in self._live.values():
+            if live.drafts is not None:
+                d, a = _draft_counts(live.drafts)
+                drafted, accepted = drafted + d, accepted + a
+        return drafted, accepted
+
+    @property
+    def num_drafted_tokens(self) -> int:
+        return self._drafts()[0]
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self._drafts()[1]
+
     def stats(self) -> EngineStats:
-        """Counts and KV use from vLLM's scheduler (KV in whole blocks, as vLLM allocates it)."""
+        """Counts and KV use from vLLM's scheduler (KV in whole blocks, as vLLM allocates it);
+        with speculation, vLLM's drafted and accepted tokens and the steps that verified."""
         usage = self._scheduler.kv_cache_manager.usage
+        drafted, accepted = self._drafts()
         return EngineStats(
             num_running=len(self._scheduler.running), num_waiting=len(self._scheduler.waiting),
             kv_used_tokens=round(usage * self.kv_capacity_tokens),
             kv_capacity_tokens=self.kv_capacity_tokens,
-            num_generated_tokens=self.num_generated_tokens, version=self.version)
+            num_generated_tokens=self.num_generated_tokens, version=self.version,
+            num_drafted_tokens=drafted, num_accepted_tokens=accepted,
+            num_spec_steps=self.num_spec_steps)
 
     def close(self) -> None:
         """Shut vLLM's engine down and delete the temporary model directory. The process-wide
