@@ -101,7 +101,7 @@ def check_devices(cfg: Any) -> dict[str, str]:
             if setting is not None:
                 out[key] = resolve_device(setting, key).type
         if getattr(cfg.cluster, "cpu_affinity", "off") == "split" and hasattr(os, "sched_getaffinity"):
-            cpu_plan(sorted(os.sched_getaffinity(0)), cfg.cluster.trainer_cpus, None,
+            cpu_plan(job_cores(), cfg.cluster.trainer_cpus, None,
                      cfg.rollout.num_workers)  # a trainer_cpus that leaves none: one error now
     return out
 
@@ -288,12 +288,41 @@ def rollout_index(rollout_id: str) -> int:
     return int(digits) if digits.isdigit() else 0
 
 
+# The job's cores as the driver found them, before it left the trainer's to the trainer
+# (`leave_trainer_cores`); every process the driver starts afterwards inherits it.
+CPUS_ENV = "LAMINAR_JOB_CPUS"
+
+
+def job_cores() -> list[int]:
+    """The cores `cpu_plan` deals out: $LAMINAR_JOB_CPUS where the driver set it, else the ones
+    this process may use."""
+    listed = os.environ.get(CPUS_ENV, "")
+    return [int(c) for c in listed.split(",")] if listed else sorted(os.sched_getaffinity(0))
+
+
+def leave_trainer_cores(cfg: Any) -> list[int] | None:
+    """`cluster.cpu_affinity: split`, in the driver before it starts Ray: this process and all it
+    starts from now on (Ray's daemons, the pools, manager and relays) run on the cores that are
+    not the trainer's, as nothing else runs on a trainer's GPU; the trainer and each rollout
+    then pin themselves (`pin_cpus`). Without this, the light but frequent wake-ups of those
+    processes preempted the pinned trainer hundreds of times a second. Returns the cores left
+    to the rest, or None when off or where the OS cannot pin."""
+    if cfg.cluster.cpu_affinity != "split" or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = job_cores()
+    trainer = cpu_plan(cores, cfg.cluster.trainer_cpus, None, cfg.rollout.num_workers)
+    rest = [c for c in cores if c not in trainer]
+    os.environ[CPUS_ENV] = ",".join(map(str, cores))
+    os.sched_setaffinity(0, rest)
+    return rest
+
+
 def pin_cpus(cfg: Any, rollout_index: int | None) -> list[int] | None:
     """Pin this process as `cpu_plan` says when cluster.cpu_affinity is `split` (Linux); returns
     the cores, or None when off or where the OS cannot pin."""
     if cfg.cluster.cpu_affinity != "split" or not hasattr(os, "sched_setaffinity"):
         return None
-    cores = sorted(os.sched_getaffinity(0))
+    cores = job_cores()
     mine = cpu_plan(cores, cfg.cluster.trainer_cpus, rollout_index, cfg.rollout.num_workers)
     os.sched_setaffinity(0, mine)
     return mine

@@ -336,3 +336,52 @@ def test_pin_cpus_pins_a_real_process():
     off = load_config(None, [])
     assert devices.pin_cpus(off, 0) is None
     assert devices.rollout_index("rollout3.2") == 3 and devices.rollout_index("rollout12") == 12
+
+
+def _leave_then_start(cfg, out):
+    """A driver: leaves the trainer's cores, then starts a trainer and a plain process."""
+    import multiprocessing as mp
+
+    from laminar.devices import leave_trainer_cores
+
+    rest = leave_trainer_cores(cfg)
+    ctx = mp.get_context("spawn")  # started after, as Ray's daemons and workers are
+    q = ctx.Queue()
+    trainer = ctx.Process(target=_affinity_after_pin, args=(cfg, None, q))
+    trainer.start()
+    pinned = q.get(timeout=60)
+    trainer.join(timeout=60)
+    plain = ctx.Process(target=_affinity_of, args=(q,))
+    plain.start()
+    other = q.get(timeout=60)
+    plain.join(timeout=60)
+    out.put((rest, sorted(os.sched_getaffinity(0)), pinned, other))
+
+
+def _affinity_of(out):
+    out.put(sorted(os.sched_getaffinity(0)))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_split_keeps_every_other_process_off_the_trainers_cores():
+    """The driver leaves the trainer's cores before it starts anything: what it starts later
+    runs on the others, the trainer still gets its own (from $LAMINAR_JOB_CPUS, not from the
+    narrower affinity it inherited)."""
+    import multiprocessing as mp
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    cfg = load_config(None, ["cluster.cpu_affinity=split", "rollout.num_workers=2"])
+    trainer = devices.cpu_plan(cores, None, None, 2)
+    rest = [c for c in cores if c not in trainer]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    driver = ctx.Process(target=_leave_then_start, args=(cfg, out))
+    driver.start()
+    left, driver_now, (pinned, seen), other = out.get(timeout=120)
+    driver.join(timeout=60)
+    assert left == driver_now == other == rest
+    assert pinned == seen == trainer
+    assert sorted(os.sched_getaffinity(0)) == cores and devices.CPUS_ENV not in os.environ
+    assert devices.leave_trainer_cores(load_config(None, [])) is None  # off: nothing moves

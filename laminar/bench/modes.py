@@ -44,6 +44,7 @@ from laminar.bench import learning, trl
 from laminar.bench.modes_tables import fmt, print_tables
 from laminar.bench.cpu import CpuMeter
 from laminar.config import Config, ConfigError, load_config
+from laminar.devices import leave_trainer_cores
 from laminar.metrics import read_metrics, read_rows
 from laminar.modes import run_training
 from laminar.modes.common import start_weights
@@ -322,6 +323,8 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
                                               task).model_dump(mode="json")
                               for m in schedules})
     ray_env_defaults()  # as laminar's own jobs start Ray: workers at the driver's priority
+    # and, with cluster.cpu_affinity=split (the same in every run), off the trainer's cores
+    leave_trainer_cores(bench_config(schedules[0], steps, root / "plan", overrides, task))
     ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         on = run_condition(schedules, steps, repeats, root, overrides, "env-on", task)

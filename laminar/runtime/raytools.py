@@ -22,6 +22,7 @@ from typing import Any
 import ray
 
 from laminar.config import Config, ConfigError
+from laminar.devices import leave_trainer_cores
 from laminar.runtime import ray_env_defaults
 from laminar.runtime.shipping import user_runtime_env
 
@@ -87,6 +88,7 @@ def init_ray(cfg: Config, secret: bytes) -> str | None:
             ray.init(address=address, include_dashboard=False, runtime_env=runtime_env,
                      log_to_driver=True, configure_logging=False)
         else:
+            leave_trainer_cores(cfg)  # cluster.cpu_affinity=split: Ray starts off the trainer's cores
             ray.init(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
                      runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
     except BaseException:
