@@ -7,6 +7,9 @@ default reverse workload on 9df39cc"). Root; every 0.2 s (the nice run of that d
         # 4 (workers forked by a reniced raylet inherit its nice)
     python priority_experiment.py rollouts batch|idle PID  # every rollout thread under
         # SCHED_BATCH / SCHED_IDLE, its nice kept
+    python priority_experiment.py services-core C PID  # the same services pinned to core C;
+        # the trainer and the rollouts kept on every core (workers forked by a pinned raylet
+        # inherit its core)
 
 e.g. `laminar bench modes ... --out X.json & python priority_experiment.py rollouts batch $!`
 """
@@ -26,6 +29,9 @@ def wanted_nice(pid, cmd, n, driver):
     return n if pid == driver or any(s in cmd for s in SERVICES) else None
 
 
+ALL = set(range(os.cpu_count()))
+
+
 def main():
     what, arg, driver = sys.argv[1], sys.argv[2], int(sys.argv[3])
     policy = {"batch": os.SCHED_BATCH, "idle": os.SCHED_IDLE}.get(arg)
@@ -43,6 +49,12 @@ def main():
                     for t in tids if want is not None else ():
                         if os.getpriority(os.PRIO_PROCESS, t) != want:
                             os.setpriority(os.PRIO_PROCESS, t, want)
+                elif what == "services-core":
+                    role = wanted_nice(int(pid), cmd, 1, driver)  # 0: trainer, 4: rollout
+                    cores = None if role is None else ALL if role in (0, 4) else {int(arg)}
+                    for t in tids if cores else ():
+                        if os.sched_getaffinity(t) != cores:
+                            os.sched_setaffinity(t, cores)
                 elif b"ray::RolloutActor" in cmd:
                     for t in tids:
                         if os.sched_getscheduler(t) != policy:
