@@ -300,6 +300,11 @@ def job_cores() -> list[int]:
     return [int(c) for c in listed.split(",")] if listed else sorted(os.sched_getaffinity(0))
 
 
+def _splits(cfg: Any) -> bool:
+    """cluster.cpu_affinity is `split` and this OS can pin (Linux)."""
+    return cfg.cluster.cpu_affinity == "split" and hasattr(os, "sched_setaffinity")
+
+
 def leave_trainer_cores(cfg: Any) -> list[int] | None:
     """`cluster.cpu_affinity: split`, in the driver before it starts Ray: this process and all it
     starts from now on (Ray's daemons, the pools, manager and relays) run on the cores that are
@@ -307,7 +312,7 @@ def leave_trainer_cores(cfg: Any) -> list[int] | None:
     then pin themselves (`pin_cpus`). Without this, the light but frequent wake-ups of those
     processes preempted the pinned trainer hundreds of times a second. Returns the cores left
     to the rest, or None when off or where the OS cannot pin."""
-    if cfg.cluster.cpu_affinity != "split" or not hasattr(os, "sched_setaffinity"):
+    if not _splits(cfg):
         return None
     cores = job_cores()
     trainer = cpu_plan(cores, cfg.cluster.trainer_cpus, None, cfg.rollout.num_workers)
@@ -320,7 +325,7 @@ def leave_trainer_cores(cfg: Any) -> list[int] | None:
 def pin_cpus(cfg: Any, rollout_index: int | None) -> list[int] | None:
     """Pin this process as `cpu_plan` says when cluster.cpu_affinity is `split` (Linux); returns
     the cores, or None when off or where the OS cannot pin."""
-    if cfg.cluster.cpu_affinity != "split" or not hasattr(os, "sched_setaffinity"):
+    if not _splits(cfg):
         return None
     cores = job_cores()
     mine = cpu_plan(cores, cfg.cluster.trainer_cpus, rollout_index, cfg.rollout.num_workers)

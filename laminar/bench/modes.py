@@ -319,12 +319,12 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
           f"runs in {root}", flush=True)
 
     # recorded before anything runs: the commit and tree the results come from
-    prov = provenance(config={m: bench_config(m, mode_steps(m, steps), root / m, overrides,
-                                              task).model_dump(mode="json")
-                              for m in schedules})
+    configs = {m: bench_config(m, mode_steps(m, steps), root / m, overrides, task)
+               for m in schedules}
+    prov = provenance(config={m: c.model_dump(mode="json") for m, c in configs.items()})
     ray_env_defaults()  # as laminar's own jobs start Ray: workers at the driver's priority
     # and, with cluster.cpu_affinity=split (the same in every run), off the trainer's cores
-    leave_trainer_cores(bench_config(schedules[0], steps, root / "plan", overrides, task))
+    leave_trainer_cores(configs[schedules[0]])
     ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         on = run_condition(schedules, steps, repeats, root, overrides, "env-on", task)

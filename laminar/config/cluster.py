@@ -53,8 +53,9 @@ class ClusterConfig(Section):
         "cores, as GPUs are disjoint devices on a real cluster: the trainer gets "
         "cluster.trainer_cpus cores, each rollout its own share of the rest (rollouts share a "
         "core only when there are more rollouts than cores left). The driver, Ray's daemons, "
-        "pools, manager and relays run on the cores that are not the trainer's. `off`: the OS schedules everything on every core "
-        "(rollout.cpu_nice still lets the trainer go first). docs/performance.md.")
+        "pools, manager and relays run on the cores that are not the trainer's. `off`: the OS "
+        "schedules everything on every core (rollout.cpu_nice still lets the trainer go "
+        "first). docs/performance.md.")
     trainer_cpus: int | None = Field(
         None, ge=1, description="cluster.cpu_affinity=split: cores for the trainer (all its "
         "ranks); unset = half of the cores this process may use, at least one, leaving at "

@@ -156,9 +156,10 @@ class Relay:
             for i in range(buf.header.num_chunks):
                 chunk = buf.chunk(i)
                 payload = encode_chunk(chunk, base.chunk(i))
-                whole += len(chunk) if payload[0] == RAW else 0
+                if payload[0] == RAW:
+                    whole, payload = whole + len(chunk), b""
                 with self.store.cond:
-                    delta.payloads[i] = b"" if payload[0] == RAW else payload
+                    delta.payloads[i] = payload
                     self.store.cond.notify_all()
             self._last_delta_ratio = (delta.nbytes + whole) / buf.header.nbytes
             self.delta_counts["built"] = self.delta_counts.get("built", 0) + 1
