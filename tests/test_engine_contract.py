@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -138,6 +139,20 @@ def test_closing_an_engine_leaves_the_others_of_the_process_working(pair, refere
     prompts = make_prompts(2, seed=9)
     for prompt, r in zip(prompts, engine.generate(requests(prompts, prefix="after"))):
         assert r.output_ids == hf_greedy(reference["A"], prompt, GREEDY.max_new_tokens)
+
+
+def test_building_an_engine_leaves_child_processes_loader_env_alone(pair):
+    """Processes this one starts later (a test session's Ray cluster, sandboxed tool programs)
+    inherit its environment: vLLM sets LD_PRELOAD (torch's libgomp) for worker processes an
+    in-process engine never starts, and Ray rollouts started after that aborted in vLLM's CPU
+    attention (thread count 2 vs. 1)."""
+    keys = ("LD_PRELOAD", "LD_LIBRARY_PATH")
+    before = {key: os.environ.get(key) for key in keys}
+    engine = build_engine(pair.cfg, weights(3), EOS_ID, PAD_ID)
+    try:
+        assert {key: os.environ.get(key) for key in keys} == before
+    finally:
+        engine.close()
 
 
 def test_load_weights_in_place(pair, reference):

@@ -66,7 +66,7 @@ from laminar.config import ConfigError
 from laminar.engine.protocol import NamedTensors, check_request
 from laminar.engine.vllm_support import (check_servable, checkpoint_names, engine_kwargs,
                                           finish_reason, import_vllm, kv_bytes_per_token,
-                                          kv_cache_bytes, read_tensors,
+                                          kv_cache_bytes, loader_env_kept, read_tensors,
                                           shut_down_keeping_process_state)
 from laminar.types import EngineStats, GenerationRequest, TokenDelta
 
@@ -162,10 +162,11 @@ class VLLMEngine:
 
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide
         try:
-            vllm_config = args.create_engine_config()
-            self._engine = LLMEngine(vllm_config=vllm_config,
-                                     executor_class=Executor.get_class(vllm_config),
-                                     log_stats=False, multiprocess_mode=False)
+            with loader_env_kept():
+                vllm_config = args.create_engine_config()
+                self._engine = LLMEngine(vllm_config=vllm_config,
+                                         executor_class=Executor.get_class(vllm_config),
+                                         log_stats=False, multiprocess_mode=False)
         finally:
             torch.set_num_threads = set_num_threads
         self._scheduler = self._engine.engine_core.engine_core.scheduler

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,9 @@ def import_vllm() -> Any:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
-        import vllm
-        from vllm.v1.engine.llm_engine import LLMEngine  # noqa: F401  (fails when broken)
+        with loader_env_kept():
+            import vllm
+            from vllm.v1.engine.llm_engine import LLMEngine  # noqa: F401  (fails when broken)
     except ImportError as exc:
         raise ConfigError(f"rollout.engine.backend='vllm' needs vLLM, which cannot be imported "
                           f"here ({exc}); {INSTALL_HINT}") from None
@@ -41,6 +43,30 @@ def import_vllm() -> Any:
         _expand_in_torch()
         _no_top_k_without_drafts()
     return vllm
+
+
+_LOADER_VARS = ("LD_PRELOAD", "LD_LIBRARY_PATH")
+
+
+@contextmanager
+def loader_env_kept() -> Iterator[None]:
+    """Leave the dynamic loader's variables of this process's environment as they were.
+    Importing vLLM (its OpenCV) sets LD_LIBRARY_PATH and building a CPU engine sets LD_PRELOAD
+    to torch's libgomp, both for vLLM's own worker processes, which an in-process engine never
+    starts. Left set, every process this one starts later inherits them: a test session's Ray
+    cluster started after an in-process engine gave its rollouts a preloaded libgomp, and
+    their vLLM CPU attention then aborted (`cpu_attn_impl.hpp Check failed:
+    input->metadata->thread_num == thread_num (2 vs. 1)`); sandboxed tool programs would load
+    it too."""
+    saved = {key: os.environ.get(key) for key in _LOADER_VARS}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _register_cpu_kernels_once(platform: type) -> None:
