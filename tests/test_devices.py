@@ -385,3 +385,49 @@ def test_split_keeps_every_other_process_off_the_trainers_cores():
     assert pinned == seen == trainer
     assert sorted(os.sched_getaffinity(0)) == cores and devices.CPUS_ENV not in os.environ
     assert devices.leave_trainer_cores(load_config(None, [])) is None  # off: nothing moves
+
+
+def test_rollout_cpu_policy_is_idle_only_where_the_trainer_leaves_a_core():
+    policy = devices.rollout_cpu_policy
+    assert policy("auto", True, 1, 2) == "idle"
+    assert policy("auto", True, 2, 2) == "normal"  # the trainer takes every core
+    assert policy("auto", False, 1, 16) == "normal"  # a GPU rollout's CPU thread feeds the GPU
+    assert policy("idle", False, 8, 2) == "idle" and policy("normal", True, 1, 8) == "normal"
+    cfg = load_config(None, [])
+    assert cfg.rollout.cpu_sched == "auto"
+    with pytest.raises(ConfigError, match="cpu_sched"):
+        load_config(None, ["rollout.cpu_sched=lazy"])
+
+
+def _policies_after_yield(out):
+    import threading
+
+    stop = threading.Event()
+    early = threading.Thread(target=stop.wait)  # a thread that exists before (Ray's, vLLM's)
+    early.start()
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    moved = devices.yield_cpu(3, "idle")
+    seen = [os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")]
+    later: list[int] = []
+    late = threading.Thread(target=lambda: later.append(os.sched_getscheduler(0)))
+    late.start()
+    late.join()
+    stop.set()
+    early.join()
+    out.put((moved, seen, later[0], os.getpriority(os.PRIO_PROCESS, 0) - nice))
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux only")
+def test_yield_cpu_puts_every_thread_of_a_real_process_under_sched_idle():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_policies_after_yield, args=(out,))
+    p.start()
+    moved, seen, later, raised = out.get(timeout=60)
+    p.join(timeout=60)
+    assert moved >= 2 and len(seen) >= 2
+    assert set(seen) == {os.SCHED_IDLE} and later == os.SCHED_IDLE and raised == 3
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # this process untouched
+    assert devices.yield_cpu(0, "normal") == 0
