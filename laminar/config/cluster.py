@@ -54,8 +54,8 @@ class ClusterConfig(Section):
         "cluster.trainer_cpus cores, each rollout its own share of the rest (rollouts share a "
         "core only when there are more rollouts than cores left). The driver, Ray's daemons, "
         "pools, manager and relays run on the cores that are not the trainer's. `off`: the OS "
-        "schedules everything on every core (rollout.cpu_nice still lets the trainer go "
-        "first). docs/performance.md.")
+        "schedules everything on every core (rollout.cpu_sched and rollout.cpu_nice still "
+        "let the trainer go first). docs/devices.md.")
     trainer_cpus: int | None = Field(
         None, ge=1, description="cluster.cpu_affinity=split: cores for the trainer (all its "
         "ranks); unset = half of the cores this process may use, at least one, leaving at "

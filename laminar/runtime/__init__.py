@@ -33,7 +33,7 @@ __all__ = ["RAY_ENV", "Runtime", "TrainerRestarted", "open_runtime", "ray_env_de
 # at nice 15 by default: on a machine shared with any process at normal priority, the whole job
 # (the trainer too) then gets about a 28th of that process's CPU share, while the driver, which
 # only follows, keeps full priority. laminar's workers run at the driver's priority; rollouts
-# still yield to the trainer by rollout.cpu_nice.
+# still yield to the trainer by rollout.cpu_sched and rollout.cpu_nice.
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0"}
 
 
