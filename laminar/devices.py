@@ -333,25 +333,14 @@ def pin_cpus(cfg: Any, rollout_index: int | None) -> list[int] | None:
     return mine
 
 
-def rollout_cpu_policy(setting: str, rollout_on_cpu: bool, trainer_threads: int,
-                       cores: int) -> str:
-    """`rollout.cpu_sched`, pure: `idle` or `normal` for a rollout process. `auto` is `idle`
-    where the rollout computes on the CPU and the trainer's torch threads (all its ranks) leave
-    at least one of the machine's `cores` free: the rollouts then use only CPU time the trainer
-    does not want, and still have a core of their own. Elsewhere `normal`: a rollout on a GPU
-    needs its CPU thread on time to keep the GPU fed, and a trainer that takes every core would
-    leave idle rollouts only its pauses."""
-    if setting != "auto":
-        return setting
-    return "idle" if rollout_on_cpu and trainer_threads < cores else "normal"
-
-
 def yield_cpu(nice: int, policy: str) -> int:
-    """In a rollout process: raise its nice value by `nice` and, for policy `idle`, put every
-    thread it has under Linux's SCHED_IDLE (threads started later inherit it from the thread
-    that starts them). SCHED_IDLE runs a thread only on CPU time no normal-policy thread wants:
-    the trainer's training thread is never preempted by a rollout on a core they share, which
-    `nice` alone does not give (docs/performance.md, "Where laminar's trainer loses 10%").
+    """In a rollout process (rollout.cpu_nice, rollout.cpu_sched): raise its nice value by
+    `nice` and, for policy `idle`, put every thread it has under Linux's SCHED_IDLE (threads
+    started later inherit it from the thread that starts them). SCHED_IDLE runs a thread only
+    on CPU time no normal-policy thread wants: the trainer's training thread is never
+    preempted by a rollout on a core they share, which `nice` alone does not give
+    (docs/performance.md, "Rollouts under SCHED_IDLE"), but it yields as much to any other
+    busy process of the machine.
     Returns how many threads went under SCHED_IDLE (0 where the OS has no SCHED_IDLE)."""
     if nice:
         os.nice(nice)

@@ -387,14 +387,9 @@ def test_split_keeps_every_other_process_off_the_trainers_cores():
     assert devices.leave_trainer_cores(load_config(None, [])) is None  # off: nothing moves
 
 
-def test_rollout_cpu_policy_is_idle_only_where_the_trainer_leaves_a_core():
-    policy = devices.rollout_cpu_policy
-    assert policy("auto", True, 1, 2) == "idle"
-    assert policy("auto", True, 2, 2) == "normal"  # the trainer takes every core
-    assert policy("auto", False, 1, 16) == "normal"  # a GPU rollout's CPU thread feeds the GPU
-    assert policy("idle", False, 8, 2) == "idle" and policy("normal", True, 1, 8) == "normal"
-    cfg = load_config(None, [])
-    assert cfg.rollout.cpu_sched == "auto"
+def test_cpu_sched_is_normal_unless_asked():
+    assert load_config(None, []).rollout.cpu_sched == "normal"
+    assert load_config(None, ["rollout.cpu_sched=idle"]).rollout.cpu_sched == "idle"
     with pytest.raises(ConfigError, match="cpu_sched"):
         load_config(None, ["rollout.cpu_sched=lazy"])
 

@@ -87,15 +87,15 @@ class RolloutConfig(Section):
         "machine where rollouts and the trainer share CPU cores, the trainer (the critical path "
         "of every schedule that overlaps them) runs first and rollouts use what is left, as if "
         "they had their own hardware. 0 = equal priority.")
-    cpu_sched: Literal["auto", "idle", "normal"] = Field(
-        "auto", description="How rollout workers give the CPU to the trainer where they share "
-        "cores. `idle`: every thread of a rollout runs under Linux's SCHED_IDLE, only on CPU "
-        "time nothing at normal priority wants, so the trainer is never preempted by a rollout "
-        "(rollout.cpu_nice alone does not give that). `normal`: the normal policy, at "
-        "rollout.cpu_nice. `auto`: idle when the rollouts compute on the CPU and the trainer's "
-        "threads (trainer.threads x trainer.world_size) leave at least one core of the machine "
-        "free, normal otherwise (a rollout on a GPU needs its CPU thread on time). "
-        "docs/performance.md.")
+    cpu_sched: Literal["normal", "idle"] = Field(
+        "normal", description="How rollout workers give the CPU to the trainer where they "
+        "share cores. `normal`: the normal scheduling class, at rollout.cpu_nice. `idle`: every "
+        "thread of a rollout (and the tool programs it starts) runs under Linux's SCHED_IDLE, "
+        "only on CPU time nothing at normal priority wants, so the trainer is never preempted "
+        "by a rollout (nice alone does not give that: 1.20-1.30x sync instead of 1.15x on the "
+        "2-core control). Not the default: any other busy process on the machine starves idle "
+        "rollouts too (a busy loop leaves them ~0.3% of a core), and a rollout on a GPU needs "
+        "its CPU thread on time. docs/devices.md.")
     group_size: int = Field(8, ge=2, description="Samples per prompt (the GRPO group size n).")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; 1.0 = off.")

@@ -22,8 +22,7 @@ import torch
 
 from laminar.actor import materialize
 from laminar.config import Config
-from laminar.devices import (job_cores, pin_cpus, resolve_device, rollout_cpu_policy,
-                              rollout_index, yield_cpu)
+from laminar.devices import pin_cpus, rollout_index, yield_cpu
 from laminar.envs.openai_server import serve_rollout
 from laminar.models import load_pretrained
 from laminar.rollout.build import build_rollout
@@ -100,11 +99,7 @@ class RolloutActor:
         torch.set_num_threads(cfg.rollout.threads)
         pin_cpus(cfg, rollout_index(rollout_id))  # cluster.cpu_affinity=split: its own cores
         # yield the CPU to the trainer (lowering one's priority is always allowed)
-        on_cpu = resolve_device(cfg.rollout.device, "rollout.device").type == "cpu"
-        self.cpu_policy = rollout_cpu_policy(
-            cfg.rollout.cpu_sched, on_cpu, cfg.trainer.threads * cfg.trainer.world_size,
-            len(job_cores()))
-        yield_cpu(cfg.rollout.cpu_nice, self.cpu_policy)
+        yield_cpu(cfg.rollout.cpu_nice, cfg.rollout.cpu_sched)
         self.cfg = cfg
         local_dir = materialize(model_dir)  # on a cluster node: its own copy
         model, tokenizer = load_pretrained(local_dir, cfg.model.attn_implementation)
@@ -127,7 +122,7 @@ class RolloutActor:
 
     def start(self) -> None:
         if self.thread is None:
-            yield_cpu(0, self.cpu_policy)  # threads started since __init__ (the loop's inherits)
+            yield_cpu(0, self.cfg.rollout.cpu_sched)  # threads started since __init__
             self.stop_event.clear()
             self.thread = threading.Thread(target=self.loop.run, args=(self.stop_event,),
                                            daemon=True, name=f"loop-{self.loop.id}")
