@@ -100,7 +100,7 @@ def check_devices(cfg: Any) -> dict[str, str]:
             setting = getattr(getattr(cfg, section), name, None)
             if setting is not None:
                 out[key] = resolve_device(setting, key).type
-        if getattr(cfg.cluster, "cpu_affinity", "off") == "split" and hasattr(os, "sched_getaffinity"):
+        if _splits(cfg):
             cpu_plan(job_cores(), cfg.cluster.trainer_cpus, None,
                      cfg.rollout.num_workers)  # a trainer_cpus that leaves none: one error now
     return out
