@@ -18,7 +18,7 @@ Device -> host (the trainer's push) needs nothing here: the relay's writer copie
 straight into the master relay's slot (`write_version`: `copy_` from a CUDA tensor is the
 device-to-host copy), so the trainer hands its parameters as they are, with no host copy between.
 
-This module imports only torch and laminar.config.
+This module imports only torch, laminar.config and laminar.cores.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from laminar.config import ConfigError
+from laminar.cores import CPUS_ENV, job_cores
 
 SETTINGS = ("auto", "cpu", "cuda")
 DEVICE_KEYS = ("trainer.device", "rollout.device")
@@ -100,9 +101,7 @@ def check_devices(cfg: Any) -> dict[str, str]:
             setting = getattr(getattr(cfg, section), name, None)
             if setting is not None:
                 out[key] = resolve_device(setting, key).type
-        if _splits(cfg):
-            cpu_plan(job_cores(), cfg.cluster.trainer_cpus, None,
-                     cfg.rollout.num_workers)  # a trainer_cpus that leaves none: one error now
+        cpu_affinity(cfg)  # split with a trainer_cpus that leaves none: one error now
     return out
 
 
@@ -288,30 +287,77 @@ def rollout_index(rollout_id: str) -> int:
     return int(digits) if digits.isdigit() else 0
 
 
-# The job's cores as the driver found them, before it left the trainer's to the trainer
-# (`leave_trainer_cores`); every process the driver starts afterwards inherits it.
-CPUS_ENV = "LAMINAR_JOB_CPUS"
+def affinity_plan(cfg: Any, cores: list[int], on_cpu: bool, can_pin: bool) -> tuple[str, str]:
+    """`cluster.cpu_affinity`, pure: `split` or `off` for this job, and why. `auto` splits where
+    a cluster would have given the trainer devices of its own: the schedule trains while the
+    rollouts generate (every mode but sync, whose trainer and rollouts take every core in
+    turn), both compute on this machine's CPU (`on_cpu`; on GPUs the devices are already
+    disjoint) with the native engine (vLLM's CPU backend binds its own threads), Ray runs here
+    (not `cluster.backend=local`, not `cluster.address`), and the trainer's threads fit the
+    cores it would get with at least one left for the rollouts."""
+    c = cfg.cluster
+    if c.cpu_affinity == "off":
+        return "off", "cluster.cpu_affinity=off"
+    if c.cpu_affinity == "split" and can_pin:
+        return "split", (f"cluster.cpu_affinity=split: the trainer on core(s) "
+                         f"{cpu_plan(cores, c.trainer_cpus, None, cfg.rollout.num_workers)}, "
+                         "the rollouts on the rest")
+    threads = cfg.trainer.threads * cfg.trainer.world_size
+    share = c.trainer_cpus if c.trainer_cpus is not None else max(1, len(cores) // 2)
+    why_off = (
+        "this OS cannot pin processes to cores" if not can_pin else
+        "the job runs on a Ray cluster (cluster.address)" if c.address else
+        "the job runs in one process (cluster.backend=local)" if c.backend == "local" else
+        "sync mode never trains while the rollouts generate" if cfg.mode == "sync" else
+        "the trainer or the rollouts compute on a GPU" if not on_cpu else
+        f"rollout.engine.backend={cfg.rollout.engine.backend} places its own threads"
+        if cfg.rollout.engine.backend != "native" else
+        f"{len(cores)} core(s): none to spare for the rollouts" if share >= len(cores) else
+        f"the trainer's {threads} thread(s) (trainer.threads x trainer.world_size) need more "
+        f"than its {share} of {len(cores)} cores" if threads > share else None)
+    if why_off:
+        return "off", f"cluster.cpu_affinity=auto: off, {why_off}"
+    return "split", (f"cluster.cpu_affinity=auto: the trainer on core(s) "
+                     f"{cpu_plan(cores, c.trainer_cpus, None, cfg.rollout.num_workers)}, the "
+                     "rollouts on the rest (docs/devices.md)")
 
 
-def job_cores() -> list[int]:
-    """The cores `cpu_plan` deals out: $LAMINAR_JOB_CPUS where the driver set it, else the ones
-    this process may use."""
-    listed = os.environ.get(CPUS_ENV, "")
-    return [int(c) for c in listed.split(",")] if listed else sorted(os.sched_getaffinity(0))
+def cpu_affinity(cfg: Any) -> tuple[str, str]:
+    """`affinity_plan` for this machine and this process's view of the devices."""
+    can_pin = hasattr(os, "sched_setaffinity")
+    if cfg.cluster.cpu_affinity == "off" or not can_pin:
+        return affinity_plan(cfg, [], True, can_pin)
+    if cfg.cluster.cpu_affinity == "split":
+        return affinity_plan(cfg, job_cores(), True, can_pin)
+    on_cpu = all(resolve_device(getattr(getattr(cfg, k.split(".")[0]), "device"), k).type == "cpu"
+                 for k in DEVICE_KEYS)
+    return affinity_plan(cfg, job_cores(), on_cpu, can_pin)
+
+
+def settle_affinity(cfg: Any) -> tuple[Any, str]:
+    """In the driver, before anything starts: `cfg` with `cluster.cpu_affinity` decided
+    (`split` or `off`; a copy where `auto` changed), so every process of the job acts on the
+    driver's one decision rather than on its own view of the devices; and why."""
+    choice, why = cpu_affinity(cfg)
+    if choice == cfg.cluster.cpu_affinity:
+        return cfg, why
+    out = cfg.model_copy(deep=True)
+    out.cluster.cpu_affinity = choice
+    return out, why
 
 
 def _splits(cfg: Any) -> bool:
-    """cluster.cpu_affinity is `split` and this OS can pin (Linux)."""
-    return cfg.cluster.cpu_affinity == "split" and hasattr(os, "sched_setaffinity")
+    return cpu_affinity(cfg)[0] == "split"
 
 
 def leave_trainer_cores(cfg: Any) -> list[int] | None:
-    """`cluster.cpu_affinity: split`, in the driver before it starts Ray: this process and all it
-    starts from now on (Ray's daemons, the pools, manager and relays) run on the cores that are
-    not the trainer's, as nothing else runs on a trainer's GPU; the trainer and each rollout
-    then pin themselves (`pin_cpus`). Without this, the light but frequent wake-ups of those
-    processes preempted the pinned trainer hundreds of times a second. Returns the cores left
-    to the rest, or None when off or where the OS cannot pin."""
+    """When the job splits (`cpu_affinity`), in the driver before it starts Ray: this process
+    and all it starts from now on (Ray's daemons, the pools, manager and relays) run on the
+    cores that are not the trainer's, as nothing else runs on a trainer's GPU; the trainer and
+    each rollout then pin themselves (`pin_cpus`). Without this, the light but frequent
+    wake-ups of those processes preempted the pinned trainer hundreds of times a second.
+    Returns the cores left to the rest, or None when the job does not split.
+    `restore_cores` undoes it."""
     if not _splits(cfg):
         return None
     cores = job_cores()
@@ -322,12 +368,27 @@ def leave_trainer_cores(cfg: Any) -> list[int] | None:
     return rest
 
 
+def restore_cores() -> None:
+    """Undo `leave_trainer_cores` in a driver that goes on after its job (a notebook, a test
+    session, `laminar bench`): every core of the job again, and no $LAMINAR_JOB_CPUS."""
+    listed = os.environ.pop(CPUS_ENV, None)
+    if listed and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, [int(c) for c in listed.split(",")])
+
+
 def pin_cpus(cfg: Any, rollout_index: int | None) -> list[int] | None:
-    """Pin this process as `cpu_plan` says when cluster.cpu_affinity is `split` (Linux); returns
-    the cores, or None when off or where the OS cannot pin."""
+    """The trainer (`rollout_index` None) or a rollout, at its start: pin this process as
+    `cpu_plan` says when the job splits (`cpu_affinity`), first recording the job's cores in
+    $LAMINAR_JOB_CPUS for what it starts later (a sandbox's tool programs run on all of them:
+    `laminar.cores.tool_cores`). A job that does not split but runs on a cluster whose driver
+    left the trainer's cores (`laminar bench modes` runs sync beside split schedules) gets every
+    core of the job back. Returns the cores pinned to, or None."""
     if not _splits(cfg):
+        if os.environ.get(CPUS_ENV) and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, job_cores())
         return None
     cores = job_cores()
+    os.environ[CPUS_ENV] = ",".join(map(str, cores))
     mine = cpu_plan(cores, cfg.cluster.trainer_cpus, rollout_index, cfg.rollout.num_workers)
     os.sched_setaffinity(0, mine)
     return mine

@@ -333,7 +333,7 @@ def test_pin_cpus_pins_a_real_process():
         p.join(timeout=60)
         assert pinned == seen == expected
     assert sorted(os.sched_getaffinity(0)) == cores  # this process untouched
-    off = load_config(None, [])
+    off = load_config(None, ["cluster.cpu_affinity=off"])
     assert devices.pin_cpus(off, 0) is None
     assert devices.rollout_index("rollout3.2") == 3 and devices.rollout_index("rollout12") == 12
 
@@ -384,7 +384,129 @@ def test_split_keeps_every_other_process_off_the_trainers_cores():
     assert left == driver_now == other == rest
     assert pinned == seen == trainer
     assert sorted(os.sched_getaffinity(0)) == cores and devices.CPUS_ENV not in os.environ
-    assert devices.leave_trainer_cores(load_config(None, [])) is None  # off: nothing moves
+    off = load_config(None, ["cluster.cpu_affinity=off"])
+    assert devices.leave_trainer_cores(off) is None  # off: nothing moves
+
+
+def test_auto_affinity_splits_where_a_cluster_would_give_the_trainer_its_own_devices():
+    """cluster.cpu_affinity=auto, the pure decision: split for a schedule that trains while
+    rollouts generate, on the CPU, with the native engine on the embedded cluster and a
+    trainer whose threads fit its share; off otherwise, saying why."""
+    plan = devices.affinity_plan
+    laminar = ["mode=laminar", "trainer.threads=1", "rollout.num_workers=2"]
+    cfg = load_config(None, laminar)
+    assert cfg.cluster.cpu_affinity == "auto"  # the default
+    choice, why = plan(cfg, [0, 1], True, True)
+    assert choice == "split" and "[0]" in why
+    for mode in ("one_step", "stream", "partial"):
+        assert plan(load_config(None, [*laminar, f"mode={mode}"]), [0, 1], True, True)[0] == "split"
+    offs = {
+        "sync": (load_config(None, [*laminar, "mode=sync"]), [0, 1], True, True),
+        "GPU": (cfg, [0, 1], False, True),
+        "rollout.engine.backend=vllm": (load_config(None, [*laminar, "rollout.engine.backend=vllm"]),
+                                        [0, 1], True, True),
+        "cluster.backend=local": (load_config(None, [*laminar, "mode=one_step",
+                                                     "cluster.backend=local"]), [0, 1], True, True),
+        "cluster.address": (load_config(None, [*laminar, "cluster.address=auto"]), [0, 1], True, True),
+        "none to spare": (cfg, [0], True, True),
+        "cannot pin": (cfg, [0, 1], True, False),
+        "trainer.threads x trainer.world_size": (load_config(None, [*laminar, "trainer.threads=2"]),
+                                                 [0, 1], True, True),
+        "cluster.cpu_affinity=off": (load_config(None, [*laminar, "cluster.cpu_affinity=off"]),
+                                     [0, 1], True, True),
+    }
+    for reason, args in offs.items():
+        choice, why = plan(*args)
+        assert choice == "off" and reason in why, (reason, why)
+    # two trainer threads fit half of four cores; asked-for split splits whatever the mode
+    assert plan(load_config(None, [*laminar, "trainer.threads=2"]), [0, 1, 2, 3], True, True)[0] == "split"
+    asked = load_config(None, ["mode=sync", "cluster.cpu_affinity=split"])
+    assert plan(asked, [0, 1], False, True)[0] == "split"
+    assert plan(asked, [0, 1], True, False)[0] == "off"  # where the OS cannot pin
+
+
+def test_settle_affinity_decides_once_without_touching_the_users_config():
+    cfg = load_config(None, ["mode=sync"])
+    settled, why = devices.settle_affinity(cfg)
+    assert settled.cluster.cpu_affinity == "off" and "sync" in why
+    assert cfg.cluster.cpu_affinity == "auto"
+    off = load_config(None, ["cluster.cpu_affinity=off"])
+    assert devices.settle_affinity(off)[0] is off
+
+
+def _tool_affinity(cores, out):
+    """A pinned rollout: the job's cores recorded, this process on the last one; its sandbox's
+    tool program reports the cores it may use."""
+    from laminar.config import SandboxConfig
+    from laminar.cores import CPUS_ENV
+    from laminar.sandbox import Sandbox
+
+    os.environ[CPUS_ENV] = ",".join(map(str, cores))
+    os.sched_setaffinity(0, cores[-1:])
+    sb = Sandbox(SandboxConfig())
+    try:
+        r = sb.run("import os; print(sorted(os.sched_getaffinity(0)))")
+        out.put((r.status, r.stdout.strip(), sorted(os.sched_getaffinity(0))))
+    finally:
+        sb.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_tool_programs_of_a_pinned_rollout_run_on_all_the_jobs_cores():
+    import multiprocessing as mp
+
+    from laminar.sandbox import probe
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    if probe("unshare") is not None and probe("bwrap") is not None:
+        pytest.skip("no sandbox backend works here")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_tool_affinity, args=(cores, out))
+    p.start()
+    status, printed, host = out.get(timeout=120)
+    p.join(timeout=60)
+    assert status == "ok" and printed == str(cores)
+    assert host == cores[-1:]
+
+
+def _narrowed_then(cfg_args, cores, out):
+    """A Ray worker started by a driver that left the trainer's cores: pin_cpus of an unsplit
+    job gives it every core of the job back; restore_cores undoes leave_trainer_cores."""
+    from laminar.cores import CPUS_ENV
+
+    if cfg_args is None:
+        split = load_config(None, ["cluster.cpu_affinity=split", "rollout.num_workers=2"])
+        left = devices.leave_trainer_cores(split)
+        devices.restore_cores()
+        out.put((left, sorted(os.sched_getaffinity(0)), CPUS_ENV in os.environ))
+        return
+    os.environ[CPUS_ENV] = ",".join(map(str, cores))
+    os.sched_setaffinity(0, cores[-1:])
+    pinned = devices.pin_cpus(load_config(None, cfg_args), 0)
+    out.put((pinned, sorted(os.sched_getaffinity(0)), CPUS_ENV in os.environ))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_unsplit_processes_take_the_jobs_cores_back():
+    import multiprocessing as mp
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    ctx = mp.get_context("spawn")
+    results = []
+    for args in (["mode=sync"], None):
+        out = ctx.Queue()
+        p = ctx.Process(target=_narrowed_then, args=(args, cores, out))
+        p.start()
+        results.append(out.get(timeout=60))
+        p.join(timeout=60)
+    assert results[0] == (None, cores, True)  # sync under auto: off, every core again
+    left, after, env = results[1]
+    assert left == cores[max(1, len(cores) // 2):] and after == cores and not env
 
 
 def test_cpu_sched_is_normal_unless_asked():

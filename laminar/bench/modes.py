@@ -44,7 +44,7 @@ from laminar.bench import learning, trl
 from laminar.bench.modes_tables import fmt, print_tables
 from laminar.bench.cpu import CpuMeter
 from laminar.config import Config, ConfigError, load_config
-from laminar.devices import leave_trainer_cores
+from laminar.devices import cpu_affinity, leave_trainer_cores, restore_cores
 from laminar.metrics import read_metrics, read_rows
 from laminar.modes import run_training
 from laminar.modes.common import start_weights
@@ -322,9 +322,15 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
     configs = {m: bench_config(m, mode_steps(m, steps), root / m, overrides, task)
                for m in schedules}
     prov = provenance(config={m: c.model_dump(mode="json") for m, c in configs.items()})
+    affinity = {m: cpu_affinity(c) for m, c in configs.items()}  # cluster.cpu_affinity, per mode
+    for m, (choice, why) in affinity.items():
+        print(f"  {m}: cpus {choice} ({why})", flush=True)
     ray_env_defaults()  # as laminar's own jobs start Ray: workers at the driver's priority
-    # and, with cluster.cpu_affinity=split (the same in every run), off the trainer's cores
-    leave_trainer_cores(configs[schedules[0]])
+    # and, where a schedule splits, off the trainer's cores (a sync run's trainer and rollouts
+    # take every core back: devices.pin_cpus)
+    split = [c for m, c in configs.items() if affinity[m][0] == "split"]
+    if split:
+        leave_trainer_cores(split[0])
     ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         on = run_condition(schedules, steps, repeats, root, overrides, "env-on", task)
@@ -332,11 +338,14 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
                             overrides + CONTROL, "env-off") if control else None
     finally:
         ray.shutdown()
+        restore_cores()
     report: dict[str, Any] = {
         "task": task, "workload": WORKLOADS[task] + overrides, "control_overrides": CONTROL,
         "steps": steps,
         "steps_by_mode": {m: mode_steps(m, steps) for m in schedules},
-        "quick": quick, "repeats": repeats, **summarize(on),
+        "quick": quick, "repeats": repeats,
+        "cpu_affinity_by_mode": {m: choice for m, (choice, _) in affinity.items()},
+        **summarize(on),
         "control_env_latency_off": summarize(off) if off else None,
     }
     if with_trl:

@@ -58,7 +58,7 @@ from laminar.bench.repack_report import print_report
 from laminar.bench.cpu import CpuMeter
 from laminar.bench.modes import WORKLOAD, throughput
 from laminar.config import Config, load_config
-from laminar.devices import leave_trainer_cores
+from laminar.devices import leave_trainer_cores, restore_cores
 from laminar.engine.knee import cached_knee
 from laminar.manager.actor import RayFleet, RayManagerPools
 from laminar.manager.manager import RolloutManager
@@ -338,7 +338,7 @@ def main(quick: bool = False, out: str | None = None, repeats: int | None = None
           f"without repack (alternating); batch bound B = {knee['knee']} (the decode curve's "
           f"knee); runs in {root}", flush=True)
     ray_env_defaults()  # as laminar's own jobs start Ray: workers at the driver's priority
-    leave_trainer_cores(probe)  # cluster.cpu_affinity=split: Ray starts off the trainer's cores
+    leave_trainer_cores(probe)  # where the job splits (cluster.cpu_affinity): Ray starts off the trainer's cores
     ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
     runs: dict[str, list[dict[str, Any]]] = {"with": [], "without": []}
     try:
@@ -359,6 +359,7 @@ def main(quick: bool = False, out: str | None = None, repeats: int | None = None
         moves = move_cost(overrides, n, root / "moves")
     finally:
         ray.shutdown()
+        restore_cores()
     report = {"workload": REPACK_WORKLOAD + overrides, "steps": steps, "repeats": repeats,
               "warmup_steps": WARMUP, "quick": quick, **summarize(runs), "move_cost": moves,
               "decode_curve_ms": knee["curve_ms"], "batch_bound_knee": knee["knee"],

@@ -4,9 +4,9 @@ addresses, chunks, heartbeats)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from laminar.config.base import Section
 
@@ -48,14 +48,19 @@ class ClusterConfig(Section):
         "it and every rank writes its own rows of a push).")
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of the embedded cluster "
                                  "(default: enough for every actor).")
-    cpu_affinity: Literal["off", "split"] = Field(
-        "off", description="One machine: `split` pins the trainer and the rollouts to disjoint CPU "
-        "cores, as GPUs are disjoint devices on a real cluster: the trainer gets "
+    cpu_affinity: Literal["auto", "off", "split"] = Field(
+        "auto", description="One machine: `split` pins the trainer and the rollouts to disjoint "
+        "CPU cores, as GPUs are disjoint devices on a real cluster: the trainer gets "
         "cluster.trainer_cpus cores, each rollout its own share of the rest (rollouts share a "
         "core only when there are more rollouts than cores left). The driver, Ray's daemons, "
-        "pools, manager and relays run on the cores that are not the trainer's. `off`: the OS "
-        "schedules everything on every core (rollout.cpu_sched and rollout.cpu_nice still "
-        "let the trainer go first). docs/devices.md.")
+        "pools, manager and relays run on the cores that are not the trainer's; a sandbox's "
+        "tool programs on all of them. `off`: the OS schedules everything on every core "
+        "(rollout.cpu_sched and rollout.cpu_nice still let the trainer go first). `auto`: "
+        "`split` where a cluster would give the trainer devices of its own: a schedule that "
+        "trains while the rollouts generate (not sync), trainer and native-engine rollouts on "
+        "this machine's CPU under the embedded Ray cluster, and trainer.threads x "
+        "trainer.world_size fitting the trainer's cores with one left; else `off`. The job "
+        "prints its choice at start. docs/devices.md.")
     trainer_cpus: int | None = Field(
         None, ge=1, description="cluster.cpu_affinity=split: cores for the trainer (all its "
         "ranks); unset = half of the cores this process may use, at least one, leaving at "
@@ -68,6 +73,11 @@ class ClusterConfig(Section):
         "when it has not answered for 3 x this long. (Relays have their own: relay.heartbeat_s, "
         "relay.timeout_s; every liveness knob: docs/config.md.)")
 
+
+    @field_validator("cpu_affinity", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML reads a bare `off` as false
 
     @model_validator(mode="after")
     def _affinity_on_one_machine(self) -> "ClusterConfig":

@@ -30,6 +30,7 @@ from ray.util.placement_group import PlacementGroup
 
 from laminar.actor import ShippedDir, alive_nodes
 from laminar.config import Config
+from laminar.devices import restore_cores, settle_affinity
 from laminar.manager.actor import RolloutSpec
 from laminar.pools.resume import RESUMED, ResumeSummary, deal_resumed
 from laminar.relay.actor import RelayGroup
@@ -79,7 +80,10 @@ class ClusterRuntime:
     # ------------------------------------------------------------------------- start
 
     def start(self) -> None:
+        self.cfg, why = settle_affinity(self.cfg)  # cluster.cpu_affinity: auto decided once, here
         cfg = self.cfg
+        if cfg.cluster.cpu_affinity == "split":
+            print(f"cpus: {why}", flush=True)
         check_gpu_reservations(cfg)  # before anything starts
         secret = job_secret(cfg)
         if not ray.is_initialized():
@@ -343,6 +347,7 @@ class ClusterRuntime:
             self.relays = None
         if self.started_ray:
             ray.shutdown()
+            restore_cores()  # the driver's own cores again, when it left the trainer's
             self.started_ray = False
             return
         # a shared cluster (tests, a user's cluster) stays up: remove only this job's actors

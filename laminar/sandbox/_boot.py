@@ -8,7 +8,8 @@ sandbox: `R` ready, `E <line>` the program's exception, `F <why>` set-up failed)
 status>` the program's end as its init saw it, `W <wait status>` the init's end).
 
 The outer process (this one, in the host's namespaces):
-  0. the plan's nice increment (sandbox.nice), inherited by everything below;
+  0. the plan's nice increment (sandbox.nice) and cores (the job's, where the host process is
+     pinned to its own: laminar.cores.tool_cores), inherited by everything below;
   1. PR_SET_PDEATHSIG(SIGTERM): it ends with the host thread that started it (not for a
      zygote, which ends with its socket);
   2. unshare(mount, pid, net, ipc, uts, cgroup [+ user when not root]);
@@ -432,6 +433,8 @@ def main():
     signal.signal(signal.SIGTERM, on_term)
     if plan["nice"]:
         os.nice(plan["nice"])  # this process and all it starts: the sandbox, the zygote's forks
+    if plan.get("cpus"):
+        os.sched_setaffinity(0, plan["cpus"])  # the same: the job's cores, not the host's own
     try:
         if plan.get("pdeathsig", True):
             prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -177,10 +177,12 @@ def _main(spec):
 
 
 def confine(spec):
-    """The nice level, the rlimits, then the seccomp filter (in this order: setpriority and
-    setrlimit stay allowed, but nothing is left to do after the filter)."""
+    """The nice level and the cores, the rlimits, then the seccomp filter (in this order:
+    setpriority and setrlimit stay allowed, but nothing is left to do after the filter)."""
     if spec.get("nice"):
         os.nice(spec["nice"])
+    if spec.get("cpus"):
+        os.sched_setaffinity(0, spec["cpus"])
     _limits(spec["limits"])
     if spec.get("seccomp", True):
         _seccomp()

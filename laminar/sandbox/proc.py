@@ -43,6 +43,7 @@ import weakref
 from pathlib import Path
 
 from laminar.config import SandboxConfig
+from laminar.cores import tool_cores
 from laminar.sandbox.result import RunResult, SandboxError, SandboxSlow
 
 log = logging.getLogger(__name__)
@@ -268,7 +269,7 @@ class SandboxProc:
                 "uid": uid, "gid": gid, "stage": _stage_dir(binds), "symlinks": symlinks,
                 "ro_binds": binds, "etc": _etc(uid, gid), "scratch_mb": self.cfg.scratch_mb,
                 "python": python_executable(), "stage2": STAGE2, "limits": _limits(self.cfg),
-                "env": SANDBOX_ENV, "nice": self.cfg.nice}
+                "env": SANDBOX_ENV, "nice": self.cfg.nice, "cpus": tool_cores()}
         plan.update(self._plan_extra())
         pass_fds = (ctl_w, rep_w) + tuple(self._fds_to_pass())
         return [python_executable(), "-I", "-S", BOOT, marshal.dumps(plan).hex()], pass_fds
@@ -326,7 +327,7 @@ class SandboxProc:
         if root:
             argv += ["--chmod", "1777", "/tmp"]  # stage 2 is root until it drops
         spec = {"ctl": ctl_w, "rep": rep_w, "limits": _limits(self.cfg), "drop": drop,
-                "nice": self.cfg.nice}
+                "nice": self.cfg.nice, "cpus": tool_cores()}
         argv += ["--remount-ro", "/", "--chdir", "/tmp", "--", python_executable(), "-I", "-S",
                  "-c", STAGE2, marshal.dumps(spec).hex()]
         return argv, tuple([ctl_w, rep_w] + opened), opened, {}
@@ -345,7 +346,7 @@ class SandboxProc:
         env = dict(SANDBOX_ENV, HOME=self.scratch, TMPDIR=self.scratch)
         kw["env"] = env
         spec = {"ctl": ctl_w, "rep": None, "limits": _limits(self.cfg), "drop": None,
-                "nice": self.cfg.nice}
+                "nice": self.cfg.nice, "cpus": tool_cores()}
         argv = [exe, "-I", "-S", "-c", STAGE2, marshal.dumps(spec).hex()]
         return argv, (ctl_w,), kw
 
