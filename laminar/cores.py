@@ -4,11 +4,17 @@ which must not import torch, reads them too).
 
     job_cores()    # the cores to deal out: $LAMINAR_JOB_CPUS where the driver set it, else ours
     tool_cores()   # for a sandbox's tool programs: the job's cores while it splits, else None
+    TrainerLoan(loan_path(run_dir)).lend(True)          # cluster.cpu_affinity=lend, the trainer
+    Borrower(loan_path(run_dir), own, wide).poll()      # ... and each rollout, from its loop
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import tempfile
+import time
 
 # Set by the driver (or the first pinned process) before anything narrows its affinity; every
 # process started afterwards inherits it.
@@ -28,3 +34,80 @@ def tool_cores() -> list[int] | None:
     devices of the rollout that called them, and pinned to a rollout's one core they halved
     calc's throughput: docs/performance.md). None when nothing is pinned: they inherit."""
     return job_cores() if os.environ.get(CPUS_ENV) else None
+
+
+# ----------------------------------------------------------------------------- lending
+
+# `cluster.cpu_affinity: lend`: the trainer's cores are the rollouts' while the trainer waits for
+# data. One byte in shared memory says which: b"1" lent, b"0" (or no file) the trainer's. The
+# trainer writes it where it starts and stops waiting; each rollout reads it from its loop and
+# moves its own threads. Nothing but affinity depends on it: a trainer killed mid-loan leaves
+# the rollouts on every core (the unpinned layout), one killed while training leaves them on
+# their own cores (the split layout); the next trainer of the job writes it afresh.
+LEND_POLL_S = 0.002
+
+
+def loan_path(run_dir: str | os.PathLike) -> str:
+    """The job's flag: in /dev/shm (a tmpfs) where there is one, named by its run directory."""
+    key = hashlib.sha1(os.fsencode(os.path.abspath(run_dir))).hexdigest()[:16]
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"laminar-cores-{key}")
+
+
+class TrainerLoan:
+    """The trainer's side: `lend(True)` as it starts waiting for data, `lend(False)` before it
+    trains; `close()` at its end removes the flag."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.lent: bool | None = None
+        self.lend(False)
+
+    def lend(self, lent: bool) -> None:
+        if lent != self.lent and self.fd >= 0:
+            os.pwrite(self.fd, b"1" if lent else b"0", 0)
+            self.lent = lent
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+
+class Borrower:
+    """A rollout's side: `poll()` from its loop (it reads the flag at most every
+    LEND_POLL_S) moves every thread of this process to `wide` (its own cores and the trainer's)
+    while the trainer lends them, back to `own` when it trains again."""
+
+    def __init__(self, path: str, own: list[int], wide: list[int]) -> None:
+        self.path, self.own, self.wide = path, own, wide
+        self.fd = -1
+        self.on: list[int] | None = None  # the first move takes every thread, old ones too
+        self.next = 0.0
+        self.moves = 0
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        if now < self.next:
+            return
+        self.next = now + LEND_POLL_S
+        if self.fd < 0:
+            try:
+                self.fd = os.open(self.path, os.O_RDONLY)
+            except OSError:
+                return  # no trainer yet: stay on our own cores
+        want = self.wide if os.pread(self.fd, 1, 0) == b"1" else self.own
+        if want != self.on:
+            for tid in map(int, os.listdir("/proc/self/task")):
+                with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                    os.sched_setaffinity(tid, want)
+            self.on = want
+            self.moves += 1
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

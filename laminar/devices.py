@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from laminar.config import ConfigError
-from laminar.cores import CPUS_ENV, job_cores
+from laminar.cores import CPUS_ENV, Borrower, TrainerLoan, job_cores, loan_path
 
 SETTINGS = ("auto", "cpu", "cuda")
 DEVICE_KEYS = ("trainer.device", "rollout.device")
@@ -287,8 +287,12 @@ def rollout_index(rollout_id: str) -> int:
     return int(digits) if digits.isdigit() else 0
 
 
+LENT = " and on the trainer's while it waits for data"
+
+
 def affinity_plan(cfg: Any, cores: list[int], on_cpu: bool, can_pin: bool) -> tuple[str, str]:
-    """`cluster.cpu_affinity`, pure: `split` or `off` for this job, and why. `auto` splits where
+    """`cluster.cpu_affinity`, pure: `split`, `lend` or `off` for this job, and why. `auto` lends
+    (splits, and lets the rollouts use the trainer's cores while it waits for data) where
     a cluster would have given the trainer devices of its own: the schedule trains while the
     rollouts generate (every mode but sync, whose trainer and rollouts take every core in
     turn), both compute on this machine's CPU (`on_cpu`; on GPUs the devices are already
@@ -298,10 +302,10 @@ def affinity_plan(cfg: Any, cores: list[int], on_cpu: bool, can_pin: bool) -> tu
     c = cfg.cluster
     if c.cpu_affinity == "off":
         return "off", "cluster.cpu_affinity=off"
-    if c.cpu_affinity == "split" and can_pin:
-        return "split", (f"cluster.cpu_affinity=split: the trainer on core(s) "
-                         f"{cpu_plan(cores, c.trainer_cpus, None, cfg.rollout.num_workers)}, "
-                         "the rollouts on the rest")
+    if c.cpu_affinity in ("split", "lend") and can_pin:
+        return c.cpu_affinity, (f"cluster.cpu_affinity={c.cpu_affinity}: the trainer on core(s) "
+                                f"{cpu_plan(cores, c.trainer_cpus, None, cfg.rollout.num_workers)}, "
+                                f"the rollouts on the rest{LENT if c.cpu_affinity == 'lend' else ''}")
     threads = cfg.trainer.threads * cfg.trainer.world_size
     share = c.trainer_cpus if c.trainer_cpus is not None else max(1, len(cores) // 2)
     why_off = (
@@ -317,9 +321,9 @@ def affinity_plan(cfg: Any, cores: list[int], on_cpu: bool, can_pin: bool) -> tu
         f"than its {share} of {len(cores)} cores" if threads > share else None)
     if why_off:
         return "off", f"cluster.cpu_affinity=auto: off, {why_off}"
-    return "split", (f"cluster.cpu_affinity=auto: the trainer on core(s) "
-                     f"{cpu_plan(cores, c.trainer_cpus, None, cfg.rollout.num_workers)}, the "
-                     "rollouts on the rest (docs/devices.md)")
+    return "lend", (f"cluster.cpu_affinity=auto: lend, the trainer on core(s) "
+                    f"{cpu_plan(cores, c.trainer_cpus, None, cfg.rollout.num_workers)}, the "
+                    f"rollouts on the rest{LENT} (docs/devices.md)")
 
 
 def cpu_affinity(cfg: Any) -> tuple[str, str]:
@@ -327,7 +331,7 @@ def cpu_affinity(cfg: Any) -> tuple[str, str]:
     can_pin = hasattr(os, "sched_setaffinity")
     if cfg.cluster.cpu_affinity == "off" or not can_pin:
         return affinity_plan(cfg, [], True, can_pin)
-    if cfg.cluster.cpu_affinity == "split":
+    if cfg.cluster.cpu_affinity in ("split", "lend"):
         return affinity_plan(cfg, job_cores(), True, can_pin)
     on_cpu = all(resolve_device(getattr(getattr(cfg, k.split(".")[0]), "device"), k).type == "cpu"
                  for k in DEVICE_KEYS)
@@ -347,7 +351,7 @@ def settle_affinity(cfg: Any) -> tuple[Any, str]:
 
 
 def _splits(cfg: Any) -> bool:
-    return cpu_affinity(cfg)[0] == "split"
+    return cpu_affinity(cfg)[0] in ("split", "lend")
 
 
 def leave_trainer_cores(cfg: Any) -> list[int] | None:
@@ -392,6 +396,22 @@ def pin_cpus(cfg: Any, rollout_index: int | None) -> list[int] | None:
     mine = cpu_plan(cores, cfg.cluster.trainer_cpus, rollout_index, cfg.rollout.num_workers)
     os.sched_setaffinity(0, mine)
     return mine
+
+
+def borrower(cfg: Any, own: list[int] | None) -> Borrower | None:
+    """A rollout pinned to `own` under `cluster.cpu_affinity: lend`: its side of the loan."""
+    if own is None or cfg.cluster.cpu_affinity != "lend":
+        return None
+    return Borrower(loan_path(cfg.resolved_run_dir), own,
+                    sorted(set(own) | set(cpu_plan(job_cores(), cfg.cluster.trainer_cpus, None,
+                                                   cfg.rollout.num_workers))))
+
+
+def trainer_loan(cfg: Any) -> TrainerLoan | None:
+    """The trainer's side of the loan under `cluster.cpu_affinity: lend` (None otherwise)."""
+    if cfg.cluster.cpu_affinity != "lend" or not hasattr(os, "sched_setaffinity"):
+        return None
+    return TrainerLoan(loan_path(cfg.resolved_run_dir))
 
 
 def yield_cpu(nice: int, policy: str) -> int:

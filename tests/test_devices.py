@@ -389,7 +389,8 @@ def test_split_keeps_every_other_process_off_the_trainers_cores():
 
 
 def test_auto_affinity_splits_where_a_cluster_would_give_the_trainer_its_own_devices():
-    """cluster.cpu_affinity=auto, the pure decision: split for a schedule that trains while
+    """cluster.cpu_affinity=auto, the pure decision: lend (split, the trainer's cores the
+    rollouts' while it waits) for a schedule that trains while
     rollouts generate, on the CPU, with the native engine on the embedded cluster and a
     trainer whose threads fit its share; off otherwise, saying why."""
     plan = devices.affinity_plan
@@ -397,9 +398,9 @@ def test_auto_affinity_splits_where_a_cluster_would_give_the_trainer_its_own_dev
     cfg = load_config(None, laminar)
     assert cfg.cluster.cpu_affinity == "auto"  # the default
     choice, why = plan(cfg, [0, 1], True, True)
-    assert choice == "split" and "[0]" in why
+    assert choice == "lend" and "[0]" in why and "waits" in why
     for mode in ("one_step", "stream", "partial"):
-        assert plan(load_config(None, [*laminar, f"mode={mode}"]), [0, 1], True, True)[0] == "split"
+        assert plan(load_config(None, [*laminar, f"mode={mode}"]), [0, 1], True, True)[0] == "lend"
     offs = {
         "sync": (load_config(None, [*laminar, "mode=sync"]), [0, 1], True, True),
         "GPU": (cfg, [0, 1], False, True),
@@ -419,7 +420,7 @@ def test_auto_affinity_splits_where_a_cluster_would_give_the_trainer_its_own_dev
         choice, why = plan(*args)
         assert choice == "off" and reason in why, (reason, why)
     # two trainer threads fit half of four cores; asked-for split splits whatever the mode
-    assert plan(load_config(None, [*laminar, "trainer.threads=2"]), [0, 1, 2, 3], True, True)[0] == "split"
+    assert plan(load_config(None, [*laminar, "trainer.threads=2"]), [0, 1, 2, 3], True, True)[0] == "lend"
     asked = load_config(None, ["mode=sync", "cluster.cpu_affinity=split"])
     assert plan(asked, [0, 1], False, True)[0] == "split"
     assert plan(asked, [0, 1], True, False)[0] == "off"  # where the OS cannot pin
@@ -507,6 +508,74 @@ def test_unsplit_processes_take_the_jobs_cores_back():
     assert results[0] == (None, cores, True)  # sync under auto: off, every core again
     left, after, env = results[1]
     assert left == cores[max(1, len(cores) // 2):] and after == cores and not env
+
+
+def _borrowing_rollout(path, own, wide, ready, stop):
+    """A rollout's loop in miniature: a second thread, and the borrower polled every ms."""
+    import threading
+    import time
+
+    from laminar.cores import Borrower
+
+    os.sched_setaffinity(0, own)
+    threading.Thread(target=stop.wait, daemon=True).start()  # a thread started before a move
+    b = Borrower(path, own, wide)
+    ready.set()
+    while not stop.is_set():
+        b.poll()
+        time.sleep(0.001)
+
+
+def _affinities(pid):
+    return {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_a_rollout_borrows_the_trainers_cores_only_while_the_trainer_waits(tmp_path):
+    """cluster.cpu_affinity=lend with a real second process: every thread of the rollout moves
+    onto the trainer's cores when the trainer lends them and off them when it trains again;
+    the flag is gone after close."""
+    import multiprocessing as mp
+    import time
+
+    from laminar.cores import TrainerLoan, loan_path
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    own, wide = cores[-1:], cores
+    path = loan_path(tmp_path)
+    loan = TrainerLoan(path)
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_borrowing_rollout, args=(path, own, wide, ready, stop))
+    p.start()
+    try:
+        assert ready.wait(60)
+
+        def settles_on(expected):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if _affinities(p.pid) == {tuple(expected)}:
+                    return True
+                time.sleep(0.005)
+            return False
+
+        assert settles_on(own)
+        loan.lend(True)
+        assert settles_on(wide)
+        loan.lend(False)
+        assert settles_on(own)
+    finally:
+        stop.set()
+        p.join(timeout=30)
+        loan.close()
+    assert not os.path.exists(path)
+
+
+def test_lend_is_refused_where_it_cannot_apply():
+    with pytest.raises(ConfigError, match="cluster.cpu_affinity=lend.*cluster.backend=local"):
+        load_config(None, ["cluster.cpu_affinity=lend", "cluster.backend=local"])
 
 
 def test_cpu_sched_is_normal_unless_asked():

@@ -48,15 +48,17 @@ class ClusterConfig(Section):
         "it and every rank writes its own rows of a push).")
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of the embedded cluster "
                                  "(default: enough for every actor).")
-    cpu_affinity: Literal["auto", "off", "split"] = Field(
+    cpu_affinity: Literal["auto", "off", "split", "lend"] = Field(
         "auto", description="One machine: `split` pins the trainer and the rollouts to disjoint "
         "CPU cores, as GPUs are disjoint devices on a real cluster: the trainer gets "
         "cluster.trainer_cpus cores, each rollout its own share of the rest (rollouts share a "
         "core only when there are more rollouts than cores left). The driver, Ray's daemons, "
         "pools, manager and relays run on the cores that are not the trainer's; a sandbox's "
         "tool programs on all of them. `off`: the OS schedules everything on every core "
-        "(rollout.cpu_sched and rollout.cpu_nice still let the trainer go first). `auto`: "
-        "`split` where a cluster would give the trainer devices of its own: a schedule that "
+        "(rollout.cpu_sched and rollout.cpu_nice still let the trainer go first). `lend`: "
+        "`split`, and each rollout also runs on the trainer's cores while the trainer waits "
+        "for data (work-conserving: a core the trainer does not use is the rollouts'). "
+        "`auto`: `lend` where a cluster would give the trainer devices of its own: a schedule that "
         "trains while the rollouts generate (not sync), trainer and native-engine rollouts on "
         "this machine's CPU under the embedded Ray cluster, and trainer.threads x "
         "trainer.world_size fitting the trainer's cores with one left; else `off`. The job "
@@ -81,11 +83,12 @@ class ClusterConfig(Section):
 
     @model_validator(mode="after")
     def _affinity_on_one_machine(self) -> "ClusterConfig":
-        if self.cpu_affinity == "split" and (self.address or self.backend == "local"):
+        if self.cpu_affinity in ("split", "lend") and (self.address or self.backend == "local"):
             where = (f"cluster.address={self.address!r} (a Ray cluster: give rollouts and the "
                      "trainer their own nodes or cluster.rollout_resources)" if self.address else
                      "cluster.backend=local (one process: nothing to pin)")
-            raise ValueError(f"cluster.cpu_affinity=split pins actors to this machine's cores; "
+            raise ValueError(f"cluster.cpu_affinity={self.cpu_affinity} pins actors to this "
+                             "machine's cores; "
                              f"it does not apply with {where}: set cluster.cpu_affinity=off")
         return self
 

@@ -22,7 +22,7 @@ import torch
 
 from laminar.actor import materialize
 from laminar.config import Config
-from laminar.devices import pin_cpus, rollout_index, yield_cpu
+from laminar.devices import borrower, pin_cpus, rollout_index, yield_cpu
 from laminar.envs.openai_server import serve_rollout
 from laminar.models import load_pretrained
 from laminar.rollout.build import build_rollout
@@ -97,7 +97,7 @@ class RolloutActor:
     def __init__(self, rollout_id: str, cfg: Config, model_dir: Any, relay: dict[str, Any],
                  pools: dict[str, Any], policy: Policy, version: int = 0) -> None:
         torch.set_num_threads(cfg.rollout.threads)
-        pin_cpus(cfg, rollout_index(rollout_id))  # cluster.cpu_affinity=split: its own cores
+        own = pin_cpus(cfg, rollout_index(rollout_id))  # cluster.cpu_affinity=split|lend: its cores
         # yield the CPU to the trainer (lowering one's priority is always allowed)
         yield_cpu(cfg.rollout.cpu_nice, cfg.rollout.cpu_sched)
         self.cfg = cfg
@@ -110,6 +110,7 @@ class RolloutActor:
             serve_rollout(cfg, rollout_id)
         self.loop = build_rollout(cfg, rollout_id, local_dir, tokenizer, task, io, policy, version,
                                   model)
+        self.loop.tick = borrower(cfg, own)  # lend: the trainer's cores too, while it waits
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
 

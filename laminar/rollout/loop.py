@@ -95,6 +95,7 @@ class RolloutLoop:
         self.lock = threading.Lock()
         self.wake = threading.Event()  # set by every request, so an idle loop reacts at once
         self.last_renew = self.last_stream = self.last_flush = 0.0
+        self.tick: Any = None  # called every round of `run` (a laminar.cores.Borrower), or None
 
     # ------------------------------------------------------------------------- requests
 
@@ -162,6 +163,8 @@ class RolloutLoop:
     def run(self, stop: threading.Event) -> None:
         """Step until `stop` is set, napping when idle; then settle."""
         while not stop.is_set():
+            if self.tick is not None:
+                self.tick.poll()
             if self.step():
                 continue
             t0 = time.perf_counter()

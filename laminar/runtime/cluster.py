@@ -17,6 +17,7 @@ the driver API (laminar/runtime/api.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -30,6 +31,7 @@ from ray.util.placement_group import PlacementGroup
 
 from laminar.actor import ShippedDir, alive_nodes
 from laminar.config import Config
+from laminar.cores import loan_path
 from laminar.devices import restore_cores, settle_affinity
 from laminar.manager.actor import RolloutSpec
 from laminar.pools.resume import RESUMED, ResumeSummary, deal_resumed
@@ -337,6 +339,9 @@ class ClusterRuntime:
     # ------------------------------------------------------------------------- stop
 
     def shutdown(self) -> None:
+        if self.cfg.cluster.cpu_affinity == "lend":  # the trainer's flag, if it left one
+            with contextlib.suppress(OSError):
+                os.unlink(loan_path(self.cfg.resolved_run_dir))
         if self.staging:
             shutil.rmtree(self.staging, ignore_errors=True)
             self.staging = None

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from laminar.config import Config, RunStopped
+from laminar.devices import trainer_loan
 from laminar.metrics import set_aside, summarize
 from laminar.models import load_pretrained
 from laminar.relay.version import VersionHeader
@@ -133,6 +134,7 @@ class TrainerService:
         self.idle_s = 0.0
         self.spans: list[list[Any]] = []  # [what, start, end] in Unix seconds, since the last row
         self.stop_event = threading.Event()
+        self.loan = trainer_loan(cfg)  # cluster.cpu_affinity=lend: its cores, while it waits
 
     @property
     def version(self) -> int:
@@ -197,6 +199,8 @@ class TrainerService:
         while True:
             groups = self.data.sample(num_groups, self.trainer.version)
             if groups is not None:
+                if self.loan is not None:
+                    self.loan.lend(False)  # the rollouts leave its cores: it trains
                 self.idle_s += time.perf_counter() - t0
                 self._span("wait", wall)
                 self.data.consumed(len(groups))
@@ -210,6 +214,8 @@ class TrainerService:
                     f"complete groups; the experience buffer has {counts['ready_groups']} ready and "
                     f"{counts['filling_groups']} filling: the rollouts are stuck or too slow "
                     "(raise cluster.wait_timeout_s if they are just slow)")
+            if self.loan is not None:
+                self.loan.lend(True)  # nothing to train yet: its cores are the rollouts'
             time.sleep(nap)  # each ask is a call to the buffer's process: back off
             nap = min(WAIT_NAP_S[1], nap * 1.5)
 
@@ -276,6 +282,8 @@ class TrainerService:
 
     def stop(self) -> None:
         self.stop_event.set()
+        if self.loan is not None:
+            self.loan.lend(False)
 
     def _train_and_publish(self, trajs: list[Trajectory], already_trained: bool = False) -> dict[str, Any]:
         t0, wall = time.perf_counter(), time.time()
