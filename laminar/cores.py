@@ -44,7 +44,7 @@ def tool_cores() -> list[int] | None:
 # moves its own threads. Nothing but affinity depends on it: a trainer killed mid-loan leaves
 # the rollouts on every core (the unpinned layout), one killed while training leaves them on
 # their own cores (the split layout); the next trainer of the job writes it afresh.
-LEND_POLL_S = 0.002
+LEND_POLL_S = 0.001
 
 
 def loan_path(run_dir: str | os.PathLike) -> str:
