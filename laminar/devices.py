@@ -288,6 +288,7 @@ def rollout_index(rollout_id: str) -> int:
 
 
 LENT = " and on the trainer's while it waits for data"
+PINNED = ("split", "lend")  # the `cluster.cpu_affinity` choices that pin the trainer and rollouts
 
 
 def affinity_plan(cfg: Any, cores: list[int], on_cpu: bool, can_pin: bool) -> tuple[str, str]:
@@ -302,7 +303,7 @@ def affinity_plan(cfg: Any, cores: list[int], on_cpu: bool, can_pin: bool) -> tu
     c = cfg.cluster
     if c.cpu_affinity == "off":
         return "off", "cluster.cpu_affinity=off"
-    if c.cpu_affinity in ("split", "lend") and can_pin:
+    if c.cpu_affinity in PINNED and can_pin:
         return c.cpu_affinity, (f"cluster.cpu_affinity={c.cpu_affinity}: the trainer on core(s) "
                                 f"{cpu_plan(cores, c.trainer_cpus, None, cfg.rollout.num_workers)}, "
                                 f"the rollouts on the rest{LENT if c.cpu_affinity == 'lend' else ''}")
@@ -331,7 +332,7 @@ def cpu_affinity(cfg: Any) -> tuple[str, str]:
     can_pin = hasattr(os, "sched_setaffinity")
     if cfg.cluster.cpu_affinity == "off" or not can_pin:
         return affinity_plan(cfg, [], True, can_pin)
-    if cfg.cluster.cpu_affinity in ("split", "lend"):
+    if cfg.cluster.cpu_affinity in PINNED:
         return affinity_plan(cfg, job_cores(), True, can_pin)
     on_cpu = all(resolve_device(getattr(getattr(cfg, k.split(".")[0]), "device"), k).type == "cpu"
                  for k in DEVICE_KEYS)
@@ -351,7 +352,7 @@ def settle_affinity(cfg: Any) -> tuple[Any, str]:
 
 
 def _splits(cfg: Any) -> bool:
-    return cpu_affinity(cfg)[0] in ("split", "lend")
+    return cpu_affinity(cfg)[0] in PINNED
 
 
 def leave_trainer_cores(cfg: Any) -> list[int] | None:

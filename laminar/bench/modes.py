@@ -44,7 +44,7 @@ from laminar.bench import learning, trl
 from laminar.bench.modes_tables import fmt, print_tables
 from laminar.bench.cpu import CpuMeter
 from laminar.config import Config, ConfigError, load_config
-from laminar.devices import cpu_affinity, leave_trainer_cores, restore_cores
+from laminar.devices import PINNED, cpu_affinity, leave_trainer_cores, restore_cores
 from laminar.metrics import read_metrics, read_rows
 from laminar.modes import run_training
 from laminar.modes.common import start_weights
@@ -328,7 +328,7 @@ def main(quick: bool = False, out: str | None = None, modes: str | None = None,
     ray_env_defaults()  # as laminar's own jobs start Ray: workers at the driver's priority
     # and, where a schedule splits, off the trainer's cores (a sync run's trainer and rollouts
     # take every core back: devices.pin_cpus)
-    split = [c for m, c in configs.items() if affinity[m][0] == "split"]
+    split = [c for m, c in configs.items() if affinity[m][0] in PINNED]
     if split:
         leave_trainer_cores(split[0])
     ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)

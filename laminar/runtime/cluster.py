@@ -32,7 +32,7 @@ from ray.util.placement_group import PlacementGroup
 from laminar.actor import ShippedDir, alive_nodes
 from laminar.config import Config
 from laminar.cores import loan_path
-from laminar.devices import restore_cores, settle_affinity
+from laminar.devices import PINNED, restore_cores, settle_affinity
 from laminar.manager.actor import RolloutSpec
 from laminar.pools.resume import RESUMED, ResumeSummary, deal_resumed
 from laminar.relay.actor import RelayGroup
@@ -84,7 +84,7 @@ class ClusterRuntime:
     def start(self) -> None:
         self.cfg, why = settle_affinity(self.cfg)  # cluster.cpu_affinity: auto decided once, here
         cfg = self.cfg
-        if cfg.cluster.cpu_affinity == "split":
+        if cfg.cluster.cpu_affinity in PINNED:
             print(f"cpus: {why}", flush=True)
         check_gpu_reservations(cfg)  # before anything starts
         secret = job_secret(cfg)

@@ -49,10 +49,9 @@ from laminar.types import Trajectory
 # on both sides (trainer and buffer) came out of the cores the rollouts were generating on.
 WAIT_NAP_S = (0.005, 0.025)
 # cluster.cpu_affinity=lend: the trainer lends its cores once it has waited this long. Shorter
-# waits (between mini-batches, a few ms each) are not worth a move: the rollouts' threads take a
-# few ms to leave again, and while they do they preempt the trainer (a 10 s probe of a laminar
-# run lending at once: 1.83 s of the training thread's time in the run queue, 5,915 involuntary
-# switches; docs/performance.md).
+# waits (a few ms for a mini-batch's last groups) are not worth a move: the rollouts' threads
+# take a loop round (a decode step) to leave again, and until they do they share the trainer's
+# core with it.
 LEND_AFTER_S = 0.02
 
 
