@@ -73,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=None,
                    help=f"modes only: comma-separated subset of {','.join((*MODES, 'trl'))} "
                         "(default: all)")
-    p.add_argument("--steps", type=int, default=None, help="modes and staleness: trainer steps per run")
+    p.add_argument("--steps", type=int, default=None,
+                   help="modes, staleness and repack: trainer steps per run")
     p.add_argument("--repeats", type=int, default=None,
-                   help="modes and staleness: runs of every mode or cell (default 3 and 2; 1 with --quick)")
+                   help="modes, staleness and repack: runs of every mode, cell or variant (default 3, 2 and 3; 1 with --quick)")
     p.add_argument("--no-control", dest="control", action="store_false", default=None,
                    help="modes only: skip the control runs with the env latency off")
     p.add_argument("--task", default=None,  # laminar.bench.modes.WORKLOADS checks it
@@ -86,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="modes only: the simulator's prediction for this machine (`laminar "
                         "simulate --calibration LOCAL.json --out JSON`), compared with the measured ratios")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="modes and staleness: change the shared workload (repeatable), e.g. "
-                        "--set rollout.num_workers=4")
+                   help="modes, staleness and repack: change the shared workload (repeatable), "
+                        "e.g. --set rollout.num_workers=4")
     p.add_argument("--lags", default=None, help="staleness only: rollout.version_lag values, "
                    "e.g. 1,2,4,8 (the default)")
     p.add_argument("--corrections", default=None, help="staleness only: trainer.correction "
@@ -268,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
                 module.main(quick=args.quick, out=args.out, steps=args.steps,
                             overrides=args.overrides, repeats=args.repeats,
                             task=args.task or "reverse", **staleness)
+            elif args.name == "repack":
+                if any(extra[k] is not None for k in ("modes", "control", "predicted", "task")):
+                    raise ConfigError("--modes, --no-control, --predicted and --task apply to "
+                                      "`laminar bench modes` only, not to `repack`")
+                module.main(quick=args.quick, out=args.out, steps=args.steps,
+                            repeats=args.repeats, overrides=args.overrides)
             elif any(v is not None and v != [] for v in extra.values()):
                 raise ConfigError("--modes, --steps, --repeats, --no-control, --predicted, --task and --set apply to "
                                   f"`laminar bench modes` only, not to `{args.name}`")

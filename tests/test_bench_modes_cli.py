@@ -47,6 +47,10 @@ def test_bench_modes_options_fail_early_with_a_clear_message(capsys):
     assert "--predicted /nonexistent/prediction.json" in capsys.readouterr().err
     assert main(["bench", "engine", "--set", "rollout.num_workers=4"]) == 2
     assert "apply to `laminar bench modes` only" in capsys.readouterr().err
+    assert main(["bench", "repack", "--modes", "laminar"]) == 2  # repack takes --set, not these
+    assert "apply to `laminar bench modes` only, not to `repack`" in capsys.readouterr().err
+    assert main(["bench", "repack", "--set", "rollout.num_wrkers=4"]) == 2
+    assert "num_wrkers" in capsys.readouterr().err
     assert main(["bench", "relay", "--backend", "native,vllm"]) == 2
     assert "--backend, --model and --device apply to `laminar bench engine` only" in capsys.readouterr().err
     assert main(["bench", "engine", "--quick", "--model", "/nonexistent/model"]) == 2

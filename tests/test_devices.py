@@ -394,9 +394,9 @@ def test_auto_affinity_splits_where_a_cluster_would_give_the_trainer_its_own_dev
     rollouts generate, on the CPU, with the native engine on the embedded cluster and a
     trainer whose threads fit its share; off otherwise, saying why."""
     plan = devices.affinity_plan
-    laminar = ["mode=laminar", "trainer.threads=1", "rollout.num_workers=2"]
+    assert load_config(None, []).cluster.cpu_affinity == "off"  # the default
+    laminar = ["mode=laminar", "trainer.threads=1", "rollout.num_workers=2", "cluster.cpu_affinity=auto"]
     cfg = load_config(None, laminar)
-    assert cfg.cluster.cpu_affinity == "auto"  # the default
     choice, why = plan(cfg, [0, 1], True, True)
     assert choice == "lend" and "[0]" in why and "waits" in why
     for mode in ("one_step", "stream", "partial"):
@@ -427,11 +427,11 @@ def test_auto_affinity_splits_where_a_cluster_would_give_the_trainer_its_own_dev
 
 
 def test_settle_affinity_decides_once_without_touching_the_users_config():
-    cfg = load_config(None, ["mode=sync"])
+    cfg = load_config(None, ["mode=sync", "cluster.cpu_affinity=auto"])
     settled, why = devices.settle_affinity(cfg)
     assert settled.cluster.cpu_affinity == "off" and "sync" in why
     assert cfg.cluster.cpu_affinity == "auto"
-    off = load_config(None, ["cluster.cpu_affinity=off"])
+    off = load_config(None, [])
     assert devices.settle_affinity(off)[0] is off
 
 
@@ -505,7 +505,7 @@ def test_unsplit_processes_take_the_jobs_cores_back():
         p.start()
         results.append(out.get(timeout=60))
         p.join(timeout=60)
-    assert results[0] == (None, cores, True)  # sync under auto: off, every core again
+    assert results[0] == (None, cores, True)  # sync: not pinned, every core again
     left, after, env = results[1]
     assert left == cores[max(1, len(cores) // 2):] and after == cores and not env
 

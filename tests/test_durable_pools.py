@@ -71,6 +71,56 @@ def test_a_killed_writer_loses_only_what_it_had_not_committed(tmp_path):
     assert SqliteStore(db).load("t") == {"durable": 1}
 
 
+def test_opening_retries_a_locked_database_and_names_anything_else(tmp_path, monkeypatch):
+    """SQLite may answer "database is locked" at once (no busy timeout) to one of the three
+    pools opening a new pools.db together: the store tries again; any other OperationalError,
+    or a lock that outlasts the retries, is the one-line ConfigError."""
+    import laminar.pools.store as store
+
+    monkeypatch.setattr(store, "OPEN_RETRIES_S", (0.0, 0.0))
+    real, tries = SqliteStore._open, []
+
+    def flaky(self):
+        tries.append(1)
+        if len(tries) < 3:
+            raise sqlite3.OperationalError("database is locked")
+        return real(self)
+
+    monkeypatch.setattr(SqliteStore, "_open", flaky)
+    SqliteStore(tmp_path / "a.db").close()
+    assert len(tries) == 3
+    tries.clear()
+    monkeypatch.setattr(SqliteStore, "_open", lambda self: (_ for _ in ()).throw(
+        sqlite3.OperationalError("database is locked")))
+    with pytest.raises(ConfigError, match="database is locked.*move it away"):
+        SqliteStore(tmp_path / "b.db")
+    monkeypatch.setattr(SqliteStore, "_open", lambda self: (_ for _ in ()).throw(
+        sqlite3.OperationalError("disk I/O error")))
+    with pytest.raises(ConfigError, match="disk I/O error"):
+        SqliteStore(tmp_path / "c.db")
+
+
+_OPEN_TOGETHER = """
+import sys, time
+from laminar.pools.store import SqliteStore
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+s = SqliteStore(sys.argv[1]); s.put("t", sys.argv[3], 1); s.commit(); s.close()
+"""
+
+
+def test_three_processes_open_a_new_pools_db_at_once(tmp_path):
+    """As the three pool actors of a job do: real processes, one new file, the same instant."""
+    import time
+
+    for round_ in range(3):
+        db = tmp_path / f"pools{round_}.db"
+        at = str(time.time() + 1.5)
+        procs = [subprocess.Popen([sys.executable, "-c", _OPEN_TOGETHER, str(db), at, str(k)])
+                 for k in range(3)]
+        assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+        assert set(SqliteStore(db).load("t")) == {"0", "1", "2"}
+
+
 def test_a_damaged_pools_db_is_a_clear_error(tmp_path):
     db = tmp_path / "pools.db"
     db.write_bytes(b"this is not a database" * 100)

@@ -5,6 +5,7 @@ the schedule promises; a rollout pulls new weights while the trainer is busy."""
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 
 import pytest
@@ -107,3 +108,22 @@ def test_rollout_pulls_newest_version_while_trainer_is_mid_step(tmp_path, ray_cl
         assert answer(busy, "the trainer's second update")["version"] == 2
         snaps = {w: ray.get(h.snapshot.remote()) for w, h in rt.workers.items()}
         assert snaps["rollout0"].counters.versions == [0, 1]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two cores")
+def test_a_job_that_lends_the_trainers_cores_trains_and_cleans_up(tmp_path, ray_cluster):
+    """cluster.cpu_affinity=lend end to end: the trainer pinned, the rollouts on the other core
+    and borrowing the trainer's while it waits; every step trained, nothing twice, the flag
+    gone at the end, this process's cores untouched."""
+    from laminar.cores import loan_path
+
+    before = os.sched_getaffinity(0)
+    cfg = load_config(None, TINY + ["mode=laminar", "cluster.cpu_affinity=lend",
+                                    f"run_dir={tmp_path}"])
+    run_training(cfg)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    trained = _trained(tmp_path)
+    assert len({t["traj_id"] for t in trained}) == len(trained)
+    assert not os.path.exists(loan_path(cfg.resolved_run_dir))
+    assert os.sched_getaffinity(0) == before

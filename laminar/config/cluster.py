@@ -48,8 +48,8 @@ class ClusterConfig(Section):
         "it and every rank writes its own rows of a push).")
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of the embedded cluster "
                                  "(default: enough for every actor).")
-    cpu_affinity: Literal["auto", "off", "split", "lend"] = Field(
-        "auto", description="One machine: `split` pins the trainer and the rollouts to disjoint "
+    cpu_affinity: Literal["off", "split", "lend", "auto"] = Field(
+        "off", description="One machine: `split` pins the trainer and the rollouts to disjoint "
         "CPU cores, as GPUs are disjoint devices on a real cluster: the trainer gets "
         "cluster.trainer_cpus cores, each rollout its own share of the rest (rollouts share a "
         "core only when there are more rollouts than cores left). The driver, Ray's daemons, "

@@ -37,6 +37,11 @@ from laminar.types import GenerationRequest, PromptGroup, PromptItem, SamplingPa
 SCHEMA = 1
 
 
+DAMAGED = ("it is damaged or not ours: move it away to start the run's pools afresh (buffered and "
+           "in-flight trajectories are then regenerated)")
+OPEN_RETRIES_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)  # then one last try, whose error is the answer
+
+
 class MemoryStore:
     """The same interface in memory: what a pool uses when nothing must survive (unit tests,
     `laminar bench`'s throwaway runs). Commits are no-ops; `load` returns what was put."""
@@ -79,27 +84,49 @@ class SqliteStore:
         self.path = Path(path)
         self.commit_interval_s = commit_interval_s
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self.db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None,
-                                      check_same_thread=False)
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.execute("CREATE TABLE IF NOT EXISTS kv (tbl TEXT NOT NULL, key TEXT NOT NULL, "
-                            "value TEXT NOT NULL, PRIMARY KEY (tbl, key))")
-            self.db.execute("CREATE TABLE IF NOT EXISTS schema (version INTEGER NOT NULL)")
-            row = self.db.execute("SELECT version FROM schema").fetchone()
-            if row is None:
-                self.db.execute("INSERT INTO schema VALUES (?)", (SCHEMA,))
-            elif row[0] != SCHEMA:
-                raise ConfigError(f"{self.path} has pool schema {row[0]}; this laminar reads "
-                                  f"schema {SCHEMA}: resume it with the laminar that wrote it")
-        except sqlite3.DatabaseError as e:
-            raise ConfigError(f"{self.path} is not a readable laminar pools database ({e}); it is "
-                              "damaged or not ours: move it away to start the run's pools afresh "
-                              "(buffered and in-flight trajectories are then regenerated)") from None
+        for wait in (*OPEN_RETRIES_S, None):
+            try:
+                self.db = self._open()
+                break
+            except sqlite3.OperationalError as e:
+                # three pool actors open one new file at once: SQLite may answer "database is
+                # locked" at once, without its busy timeout, to a connection that changes the
+                # journal mode or reads the schema while another one does
+                if wait is None or ("locked" not in str(e) and "busy" not in str(e)):
+                    raise ConfigError(f"{self.path} is not a readable laminar pools database "
+                                      f"({e}); {DAMAGED}") from None
+                time.sleep(wait)
         self.pending: dict[tuple[str, str], str | None] = {}  # (table, key) -> JSON, None: delete
         self.last_commit = time.monotonic()
         self.commits = 0
+
+    def _open(self) -> sqlite3.Connection:
+        """A connection with the schema in place (an OperationalError closes it and goes up)."""
+        db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None,
+                             check_same_thread=False)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("CREATE TABLE IF NOT EXISTS kv (tbl TEXT NOT NULL, key TEXT NOT NULL, "
+                       "value TEXT NOT NULL, PRIMARY KEY (tbl, key))")
+            db.execute("CREATE TABLE IF NOT EXISTS schema (version INTEGER NOT NULL)")
+            row = db.execute("SELECT version FROM schema").fetchone()
+            if row is None:
+                db.execute("INSERT INTO schema VALUES (?)", (SCHEMA,))
+            elif row[0] != SCHEMA:
+                raise ConfigError(f"{self.path} has pool schema {row[0]}; this laminar reads "
+                                  f"schema {SCHEMA}: resume it with the laminar that wrote it")
+        except sqlite3.OperationalError:
+            db.close()
+            raise  # locked or busy: the caller retries
+        except sqlite3.DatabaseError as e:
+            db.close()
+            raise ConfigError(f"{self.path} is not a readable laminar pools database ({e}); "
+                              f"{DAMAGED}") from None
+        except ConfigError:
+            db.close()
+            raise
+        return db
 
     def put(self, table: str, key: str, value: Any) -> None:
         self.pending[(table, key)] = json.dumps(value)

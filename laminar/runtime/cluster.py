@@ -30,7 +30,7 @@ from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup
 
 from laminar.actor import ShippedDir, alive_nodes
-from laminar.config import Config
+from laminar.config import Config, ConfigError
 from laminar.cores import loan_path
 from laminar.devices import PINNED, restore_cores, settle_affinity
 from laminar.manager.actor import RolloutSpec
@@ -108,12 +108,26 @@ class ClusterRuntime:
             self.node_ips.get(self.head or ""))
         self.manager = start_manager(cfg, self.workers, self.placement, self.pools, self.relays,
                                      self.names, self.policy, self.rollout_spec, self.head)
+        self._pools_started()
         wait_started(cfg, self.workers, self.trainer, self.manager, self.placement, self.node_ips)
         if cfg.resume and not self.policy.defers_resumed:
             self.hand_out_resumed()
         self.started_at = time.time()  # the driver's rows count from here
         self.wait_all({f"start of {w}": h.start.remote() for w, h in self.workers.items()})
         self.manager_loop = self.manager.run_loop.remote()
+
+    def _pools_started(self) -> None:
+        """Every pool answers, or the job fails now with the pool's own error (a pools.db it
+        cannot read is a ConfigError naming the file and the fix) rather than after
+        cluster.wait_timeout_s of a trainer waiting for data no rollout can lease."""
+        try:
+            wait_all({f"start of the {k} pool": h.__ray_ready__.remote()
+                      for k, h in self.pools.items()}, self.cfg.cluster.wait_timeout_s)
+        except ray.exceptions.ActorDiedError as e:
+            said = e.error_msg or ""
+            if "ConfigError: " in said:
+                raise ConfigError(said.rsplit("ConfigError: ", 1)[1].strip()) from None
+            raise
 
     def hand_out_resumed(self, started: bool | None = None) -> None:
         """The killed job's in-flight trajectories (owned by `RESUMED` after the
