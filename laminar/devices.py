@@ -321,7 +321,7 @@ def affinity_plan(cfg: Any, cores: list[int], on_cpu: bool, can_pin: bool) -> tu
         f"the trainer's {threads} thread(s) (trainer.threads x trainer.world_size) need more "
         f"than its {share} of {len(cores)} cores" if threads > share else None)
     if why_off:
-        return "off", f"cluster.cpu_affinity=auto: off, {why_off}"
+        return "off", f"cluster.cpu_affinity={c.cpu_affinity}: off, {why_off}"
     return "lend", (f"cluster.cpu_affinity=auto: lend, the trainer on core(s) "
                     f"{cpu_plan(cores, c.trainer_cpus, None, cfg.rollout.num_workers)}, the "
                     f"rollouts on the rest{LENT} (docs/devices.md)")
@@ -341,7 +341,7 @@ def cpu_affinity(cfg: Any) -> tuple[str, str]:
 
 def settle_affinity(cfg: Any) -> tuple[Any, str]:
     """In the driver, before anything starts: `cfg` with `cluster.cpu_affinity` decided
-    (`split` or `off`; a copy where `auto` changed), so every process of the job acts on the
+    (`split`, `lend` or `off`; a copy where `auto` changed), so every process of the job acts on the
     driver's one decision rather than on its own view of the devices; and why."""
     choice, why = cpu_affinity(cfg)
     if choice == cfg.cluster.cpu_affinity:
