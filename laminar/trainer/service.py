@@ -48,11 +48,6 @@ from laminar.types import Trajectory
 # the second number: an idle trainer asked 200 times a second before, a Ray call each, whose CPU
 # on both sides (trainer and buffer) came out of the cores the rollouts were generating on.
 WAIT_NAP_S = (0.005, 0.025)
-# cluster.cpu_affinity=lend: the trainer lends its cores once it has waited this long. Shorter
-# waits (a few ms for a mini-batch's last groups) are not worth a move: the rollouts' threads
-# take a loop round (a decode step) to leave again, and until they do they share the trainer's
-# core with it.
-LEND_AFTER_S = 0.02
 
 
 def drop_torn_last_line(path: Path, block: int = 1 << 16) -> None:
@@ -219,8 +214,10 @@ class TrainerService:
                     f"complete groups; the experience buffer has {counts['ready_groups']} ready and "
                     f"{counts['filling_groups']} filling: the rollouts are stuck or too slow "
                     "(raise cluster.wait_timeout_s if they are just slow)")
-            if self.loan is not None and time.perf_counter() - t0 >= LEND_AFTER_S:
-                self.loan.lend(True)  # nothing to train for a while: its cores are the rollouts'
+            if self.loan is not None:
+                # nothing to train: its cores are the rollouts' at once (lending only after
+                # 20 ms of waiting lent them ~5% of the time; docs/performance.md)
+                self.loan.lend(True)
             time.sleep(nap)  # each ask is a call to the buffer's process: back off
             nap = min(WAIT_NAP_S[1], nap * 1.5)
 
