@@ -304,9 +304,7 @@ def affinity_plan(cfg: Any, cores: list[int], on_cpu: bool, can_pin: bool) -> tu
     if c.cpu_affinity == "off":
         return "off", "cluster.cpu_affinity=off"
     if c.cpu_affinity in PINNED and can_pin:
-        return c.cpu_affinity, (f"cluster.cpu_affinity={c.cpu_affinity}: the trainer on core(s) "
-                                f"{cpu_plan(cores, c.trainer_cpus, None, cfg.rollout.num_workers)}, "
-                                f"the rollouts on the rest{LENT if c.cpu_affinity == 'lend' else ''}")
+        return c.cpu_affinity, _pinned_why(cfg, cores, c.cpu_affinity)
     threads = cfg.trainer.threads * cfg.trainer.world_size
     share = c.trainer_cpus if c.trainer_cpus is not None else max(1, len(cores) // 2)
     why_off = (
@@ -322,9 +320,13 @@ def affinity_plan(cfg: Any, cores: list[int], on_cpu: bool, can_pin: bool) -> tu
         f"than its {share} of {len(cores)} cores" if threads > share else None)
     if why_off:
         return "off", f"cluster.cpu_affinity={c.cpu_affinity}: off, {why_off}"
-    return "lend", (f"cluster.cpu_affinity=auto: lend, the trainer on core(s) "
-                    f"{cpu_plan(cores, c.trainer_cpus, None, cfg.rollout.num_workers)}, the "
-                    f"rollouts on the rest{LENT} (docs/devices.md)")
+    return "lend", _pinned_why(cfg, cores, "auto: lend")
+
+
+def _pinned_why(cfg: Any, cores: list[int], what: str) -> str:
+    trainer = cpu_plan(cores, cfg.cluster.trainer_cpus, None, cfg.rollout.num_workers)
+    return (f"cluster.cpu_affinity={what}: the trainer on core(s) {trainer}, the rollouts on the "
+            f"rest{LENT if what.endswith('lend') else ''}")
 
 
 def cpu_affinity(cfg: Any) -> tuple[str, str]:
@@ -376,9 +378,9 @@ def leave_trainer_cores(cfg: Any) -> list[int] | None:
 def restore_cores() -> None:
     """Undo `leave_trainer_cores` in a driver that goes on after its job (a notebook, a test
     session, `laminar bench`): every core of the job again, and no $LAMINAR_JOB_CPUS."""
-    listed = os.environ.pop(CPUS_ENV, None)
-    if listed and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, [int(c) for c in listed.split(",")])
+    if os.environ.get(CPUS_ENV) and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, job_cores())
+    os.environ.pop(CPUS_ENV, None)
 
 
 def pin_cpus(cfg: Any, rollout_index: int | None) -> list[int] | None:
