@@ -298,15 +298,15 @@ def affinity_plan(cfg: Any, cores: list[int], on_cpu: bool, can_pin: bool) -> tu
     rollouts generate (every mode but sync, whose trainer and rollouts take every core in
     turn), both compute on this machine's CPU (`on_cpu`; on GPUs the devices are already
     disjoint) with the native engine (vLLM's CPU backend binds its own threads), Ray runs here
-    (not `cluster.backend=local`, not `cluster.address`), and the trainer's threads fit the
-    cores it would get with at least one left for the rollouts."""
+    (not `cluster.backend=local`, not `cluster.address`), and the trainer's cores
+    (`auto_trainer_cpus`) leave at least one for the rollouts."""
     c = cfg.cluster
     if c.cpu_affinity == "off":
         return "off", "cluster.cpu_affinity=off"
     if c.cpu_affinity in PINNED and can_pin:
-        return c.cpu_affinity, _pinned_why(cfg, cores, c.cpu_affinity)
+        return c.cpu_affinity, _pinned_why(cfg, cores, c.cpu_affinity, c.trainer_cpus)
     threads = cfg.trainer.threads * cfg.trainer.world_size
-    share = c.trainer_cpus if c.trainer_cpus is not None else max(1, len(cores) // 2)
+    share = auto_trainer_cpus(cfg)
     why_off = (
         "this OS cannot pin processes to cores" if not can_pin else
         "the job runs on a Ray cluster (cluster.address)" if c.address else
@@ -315,16 +315,27 @@ def affinity_plan(cfg: Any, cores: list[int], on_cpu: bool, can_pin: bool) -> tu
         "the trainer or the rollouts compute on a GPU" if not on_cpu else
         f"rollout.engine.backend={cfg.rollout.engine.backend} places its own threads"
         if cfg.rollout.engine.backend != "native" else
-        f"{len(cores)} core(s): none to spare for the rollouts" if share >= len(cores) else
         f"the trainer's {threads} thread(s) (trainer.threads x trainer.world_size) need more "
-        f"than its {share} of {len(cores)} cores" if threads > share else None)
+        f"than its cluster.trainer_cpus={share}" if threads > share else
+        f"the trainer's {share} core(s) would leave none of this process's {len(cores)} for the "
+        f"rollouts" + ("" if c.trainer_cpus is not None else
+                       " (trainer.threads x trainer.world_size; set trainer.threads lower)")
+        if share >= len(cores) else None)
     if why_off:
         return "off", f"cluster.cpu_affinity={c.cpu_affinity}: off, {why_off}"
-    return "lend", _pinned_why(cfg, cores, "auto: lend")
+    return "lend", _pinned_why(cfg, cores, "auto: lend", share)
 
 
-def _pinned_why(cfg: Any, cores: list[int], what: str) -> str:
-    trainer = cpu_plan(cores, cfg.cluster.trainer_cpus, None, cfg.rollout.num_workers)
+def auto_trainer_cpus(cfg: Any) -> int:
+    """The trainer's cores under `cluster.cpu_affinity=auto`: `cluster.trainer_cpus`, or as
+    many as its threads (trainer.threads x trainer.world_size), as a cluster gives a trainer
+    the devices it uses and no more; the rest are the rollouts'."""
+    c = cfg.cluster
+    return c.trainer_cpus if c.trainer_cpus is not None else cfg.trainer.threads * cfg.trainer.world_size
+
+
+def _pinned_why(cfg: Any, cores: list[int], what: str, trainer_cpus: int | None) -> str:
+    trainer = cpu_plan(cores, trainer_cpus, None, cfg.rollout.num_workers)
     return (f"cluster.cpu_affinity={what}: the trainer on core(s) {trainer}, the rollouts on the "
             f"rest{LENT if what.endswith('lend') else ''}")
 
@@ -350,6 +361,8 @@ def settle_affinity(cfg: Any) -> tuple[Any, str]:
         return cfg, why
     out = cfg.model_copy(deep=True)
     out.cluster.cpu_affinity = choice
+    if choice in PINNED:  # `auto`: the trainer's share decided here, for every process
+        out.cluster.trainer_cpus = auto_trainer_cpus(cfg)
     return out, why
 
 

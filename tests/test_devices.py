@@ -394,7 +394,7 @@ def test_auto_affinity_splits_where_a_cluster_would_give_the_trainer_its_own_dev
     rollouts generate, on the CPU, with the native engine on the embedded cluster and a
     trainer whose threads fit its share; off otherwise, saying why."""
     plan = devices.affinity_plan
-    assert load_config(None, []).cluster.cpu_affinity == "off"  # the default
+    assert load_config(None, []).cluster.cpu_affinity == "auto"  # the default
     laminar = ["mode=laminar", "trainer.threads=1", "rollout.num_workers=2", "cluster.cpu_affinity=auto"]
     cfg = load_config(None, laminar)
     choice, why = plan(cfg, [0, 1], True, True)
@@ -409,18 +409,31 @@ def test_auto_affinity_splits_where_a_cluster_would_give_the_trainer_its_own_dev
         "cluster.backend=local": (load_config(None, [*laminar, "mode=one_step",
                                                      "cluster.backend=local"]), [0, 1], True, True),
         "cluster.address": (load_config(None, [*laminar, "cluster.address=auto"]), [0, 1], True, True),
-        "none to spare": (cfg, [0], True, True),
+        "would leave none of this process's 1": (cfg, [0], True, True),
         "cannot pin": (cfg, [0, 1], True, False),
-        "trainer.threads x trainer.world_size": (load_config(None, [*laminar, "trainer.threads=2"]),
-                                                 [0, 1], True, True),
+        "set trainer.threads lower": (load_config(None, [*laminar, "trainer.threads=2"]),
+                                      [0, 1], True, True),
+        "need more than its cluster.trainer_cpus=1": (
+            load_config(None, [*laminar, "trainer.threads=2", "cluster.trainer_cpus=1"]),
+            [0, 1, 2, 3], True, True),
         "cluster.cpu_affinity=off": (load_config(None, [*laminar, "cluster.cpu_affinity=off"]),
                                      [0, 1], True, True),
     }
     for reason, args in offs.items():
         choice, why = plan(*args)
         assert choice == "off" and reason in why, (reason, why)
-    # two trainer threads fit half of four cores; asked-for split splits whatever the mode
-    assert plan(load_config(None, [*laminar, "trainer.threads=2"]), [0, 1, 2, 3], True, True)[0] == "lend"
+    # the trainer gets as many cores as its threads (a cluster gives it the devices it uses),
+    # not half of a big machine: two threads on eight cores, two ranks of one thread each
+    two = load_config(None, [*laminar, "trainer.threads=2"])
+    assert plan(two, list(range(8)), True, True) == (
+        "lend", "cluster.cpu_affinity=auto: lend: the trainer on core(s) [0, 1], the rollouts on "
+        "the rest and on the trainer's while it waits for data")
+    ranks = load_config(None, [*laminar, "trainer.world_size=2"])
+    assert "core(s) [0, 1]," in plan(ranks, list(range(8)), True, True)[1]
+    # cluster.trainer_cpus, when set, is the share
+    wide = load_config(None, [*laminar, "cluster.trainer_cpus=3"])
+    assert "core(s) [0, 1, 2]," in plan(wide, list(range(8)), True, True)[1]
+    # asked-for split splits whatever the mode
     asked = load_config(None, ["mode=sync", "cluster.cpu_affinity=split"])
     assert plan(asked, [0, 1], False, True)[0] == "split"
     assert plan(asked, [0, 1], True, False)[0] == "off"  # where the OS cannot pin
@@ -431,8 +444,14 @@ def test_settle_affinity_decides_once_without_touching_the_users_config():
     settled, why = devices.settle_affinity(cfg)
     assert settled.cluster.cpu_affinity == "off" and "sync" in why
     assert cfg.cluster.cpu_affinity == "auto"
-    off = load_config(None, [])
+    off = load_config(None, ["cluster.cpu_affinity=off"])
     assert devices.settle_affinity(off)[0] is off
+    # auto that lends fixes the trainer's share for every process: its threads' worth
+    lends = load_config(None, ["mode=laminar", "trainer.threads=1", "cluster.cpu_affinity=auto"])
+    if len(devices.job_cores()) >= 2 and devices.cpu_affinity(lends)[0] == "lend":
+        settled, _ = devices.settle_affinity(lends)
+        assert (settled.cluster.cpu_affinity, settled.cluster.trainer_cpus) == ("lend", 1)
+        assert lends.cluster.trainer_cpus is None
 
 
 def _tool_affinity(cores, out):

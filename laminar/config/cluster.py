@@ -49,7 +49,7 @@ class ClusterConfig(Section):
     num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of the embedded cluster "
                                  "(default: enough for every actor).")
     cpu_affinity: Literal["off", "split", "lend", "auto"] = Field(
-        "off", description="One machine: `split` pins the trainer and the rollouts to disjoint "
+        "auto", description="One machine: `split` pins the trainer and the rollouts to disjoint "
         "CPU cores, as GPUs are disjoint devices on a real cluster: the trainer gets "
         "cluster.trainer_cpus cores, each rollout its own share of the rest (rollouts share a "
         "core only when there are more rollouts than cores left). The driver, Ray's daemons, "
@@ -58,15 +58,15 @@ class ClusterConfig(Section):
         "(rollout.cpu_sched and rollout.cpu_nice still let the trainer go first). `lend`: "
         "`split`, and each rollout also runs on the trainer's cores while the trainer waits "
         "for data (work-conserving: a core the trainer does not use is the rollouts'). "
-        "`auto`: `lend` where a cluster would give the trainer devices of its own: a schedule that "
-        "trains while the rollouts generate (not sync), trainer and native-engine rollouts on "
-        "this machine's CPU under the embedded Ray cluster, and trainer.threads x "
-        "trainer.world_size fitting the trainer's cores with one left; else `off`. The job "
-        "prints its choice at start. docs/devices.md.")
+        "`auto` (default): `lend` where a cluster would give the trainer devices of its own: a "
+        "schedule that trains while the rollouts generate (not sync), trainer and native-engine "
+        "rollouts on this machine's CPU under the embedded Ray cluster, and the trainer's cores "
+        "(cluster.trainer_cpus, unset: trainer.threads x trainer.world_size) leaving at least "
+        "one for the rollouts; else `off`. The job prints its choice at start. docs/devices.md.")
     trainer_cpus: int | None = Field(
-        None, ge=1, description="cluster.cpu_affinity=split: cores for the trainer (all its "
+        None, ge=1, description="cluster.cpu_affinity split/lend: cores for the trainer (all its "
         "ranks); unset = half of the cores this process may use, at least one, leaving at "
-        "least one for the rollouts.")
+        "least one for the rollouts (`auto`: trainer.threads x trainer.world_size).")
     wait_timeout_s: float = Field(300.0, gt=0.0, description="Longest any component may wait for "
                                   "another (data, weights, a step) before the run fails naming it.")
     heartbeat_s: float = Field(
