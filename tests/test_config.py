@@ -74,6 +74,8 @@ def test_impossible_combination_is_explained():
         load_config(None, ["rollout.max_new_tokens=10"])
     with pytest.raises(ConfigError, match="task.name=dataset needs"):
         load_config(None, ["task.name=dataset"])
+    with pytest.raises(ConfigError, match=r"cluster.hang_timeout_s=5.0 must exceed cluster.heartbeat_s=10.0"):
+        load_config(None, ["cluster.heartbeat_s=10", "cluster.hang_timeout_s=5"])
 
 
 def test_retired_keys_name_their_replacement():

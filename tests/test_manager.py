@@ -188,7 +188,7 @@ def test_a_dead_rollouts_work_continues_on_a_same_version_peer_or_restarts():
     assert pools.released == ["dead"] and m.dead == ["dead"] and "dead" not in m.stats()["workers"]
 
 
-def test_a_silent_rollout_is_dead_after_three_heartbeats_and_expired_leases_are_read():
+def test_a_silent_rollout_is_dead_after_the_hang_timeout_and_expired_leases_are_read():
     fleet = Fleet({"a": snap("a", draining=False), "b": snap("b", draining=False)})
     pools = Pools()
     m = manager(fleet, pools)
@@ -196,6 +196,9 @@ def test_a_silent_rollout_is_dead_after_three_heartbeats_and_expired_leases_are_
     m.check_once()
     assert m.dead == []  # one missed answer is not death
     m.last_seen["b"] = time.monotonic() - 3 * CFG.cluster.heartbeat_s - 0.1
+    m.check_once()
+    assert m.dead == []  # nor are three: a busy machine (cluster.hang_timeout_s)
+    m.last_seen["b"] = time.monotonic() - CFG.cluster.hang_timeout_s - 0.1
     m.check_once()
     assert m.dead == ["b"]
     pools.expired = {"left-long-ago", "a"}  # a live rollout that stopped renewing: hung

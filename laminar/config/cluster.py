@@ -70,16 +70,31 @@ class ClusterConfig(Section):
     wait_timeout_s: float = Field(300.0, gt=0.0, description="Longest any component may wait for "
                                   "another (data, weights, a step) before the run fails naming it.")
     heartbeat_s: float = Field(
-        2.0, gt=0.0, description="Liveness period: a rollout renews its prompt leases this often, "
-        "waits this long at most for a health-check answer, and is declared dead by the manager "
-        "when it has not answered for 3 x this long. (Relays have their own: relay.heartbeat_s, "
-        "relay.timeout_s; every liveness knob: docs/config.md.)")
+        2.0, gt=0.0, description="Liveness period: a rollout renews its prompt leases this often "
+        "and the manager waits this long at most for a health-check answer before going on. (A "
+        "killed rollout is noticed at once, by its calls failing; a silent one after "
+        "cluster.hang_timeout_s. Relays have their own: relay.heartbeat_s, relay.timeout_s; "
+        "every liveness knob: docs/config.md.)")
+    hang_timeout_s: float = Field(
+        30.0, gt=0.0, description="A rollout whose process is alive but that has answered no "
+        "health check for this long is declared hung, failed over and replaced. Generous on "
+        "purpose: a busy machine or a vLLM engine loading weights can keep a healthy rollout "
+        "silent for seconds (at 6 s, a loaded 2-core host replaced healthy vLLM rollouts), and "
+        "a killed process does not wait for it. Must exceed cluster.heartbeat_s.")
 
 
     @field_validator("cpu_affinity", mode="before")
     @classmethod
     def _yaml_off(cls, v: Any) -> Any:
         return "off" if v is False else v  # YAML reads a bare `off` as false
+
+    @model_validator(mode="after")
+    def _hang_after_heartbeat(self) -> "ClusterConfig":
+        if self.hang_timeout_s <= self.heartbeat_s:
+            raise ValueError(f"cluster.hang_timeout_s={self.hang_timeout_s} must exceed "
+                             f"cluster.heartbeat_s={self.heartbeat_s}, or a rollout is declared "
+                             "hung between two health checks: raise cluster.hang_timeout_s")
+        return self
 
     @model_validator(mode="after")
     def _affinity_on_one_machine(self) -> "ClusterConfig":

@@ -188,7 +188,8 @@ class VLLMEngine:
         backend (2 s measured for the tiny preset on an idle machine, 5-6 s on a loaded 2-core
         one; the next engine in the same process pays nothing). Paid later, it lands in the
         rollout loop's first step, which holds the loop's lock, so the manager's health checks
-        (`snapshot`) wait behind it and, past 3 x cluster.heartbeat_s, declare the rollout dead.
+        (`snapshot`) wait behind it; past the hang limit (then 3 x cluster.heartbeat_s, now
+        cluster.hang_timeout_s) the manager declared the rollout dead.
         Greedy, so the sampling RNG seeded at start is untouched; the prefix cache is reset."""
         sampling = self._sampling(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=0,
                                   detokenize=False, output_kind=self._delta_kind)

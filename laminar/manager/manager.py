@@ -3,7 +3,7 @@
 Every `manager.interval_s` it reads each rollout's `RolloutSnapshot` (weights version, KV used
 and capacity, trajectories in flight), and every `relay.heartbeat_s` each relay's heartbeat:
 - **failover**: a rollout whose process is gone, that has not answered for
-  3 x `cluster.heartbeat_s`, or whose prompt leases expired (it stopped renewing them) is
+  `cluster.hang_timeout_s`, or whose prompt leases expired (it stopped renewing them) is
   declared dead; its unfinished trajectories (from the partial response pool) continue on live
   rollouts (`health.assign_unfinished`: same version, or from scratch, so a trajectory never
   mixes versions unless the schedule does), its untouched leases go back to the prompt pool;
@@ -149,7 +149,7 @@ class RolloutManager:
             for r in snaps:
                 self.last_seen[r] = now
             expired = self.pools.expired_owners()
-            dead = sorted(set(gone) | set(overdue(self.last_seen, now, 3 * heartbeat))
+            dead = sorted(set(gone) | set(overdue(self.last_seen, now, self.cfg.cluster.hang_timeout_s))
                           | (expired & set(self.rollout_relay)))
             for r in dead:
                 snaps.pop(r, None)
