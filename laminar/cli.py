@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine only: measure this model directory instead of the presets")
     p.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"),
                    help="engine only: where the native engine runs (default cpu; vLLM picks "
-                        "its own device)")
+                        "its own device); with --spec, where both variants run")
     p.add_argument("--spec", action="store_true",
                    help="engine only: measure shared group prefixes and speculative decoding "
                         "instead (laminar/bench/engine_spec.py)")
@@ -254,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.spec and args.name != "engine":
                 raise ConfigError(f"--spec applies to `laminar bench engine` only, not to "
                                   f"`{args.name}`")
+            if args.spec and (args.backend, args.model) != (None, None):
+                raise ConfigError("--backend and --model do not apply to `laminar bench engine "
+                                  "--spec` (the native engine on the tiny preset and its warm "
+                                  "start); drop them, or drop --spec")
             staleness = {"lags": args.lags, "corrections": args.corrections, "metric": args.metric}
             if args.name != "staleness" and any(v is not None for v in staleness.values()):
                 raise ConfigError(f"--lags, --corrections and --metric apply to `laminar bench staleness` "
@@ -279,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("--modes, --steps, --repeats, --no-control, --predicted, --task and --set apply to "
                                   f"`laminar bench modes` only, not to `{args.name}`")
             elif args.name == "engine" and args.spec:
-                importlib.import_module("laminar.bench.engine_spec").main(quick=args.quick,
-                                                                          out=args.out)
+                importlib.import_module("laminar.bench.engine_spec").main(
+                    quick=args.quick, out=args.out, device=args.device or "cpu")
             elif args.name == "engine":
                 module.main(quick=args.quick, out=args.out, backends=args.backend or "native",
                             model=args.model, device=args.device or "cpu")

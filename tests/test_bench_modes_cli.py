@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from laminar.bench.cpu import CpuMeter, component
 
 
@@ -57,6 +59,11 @@ def test_bench_modes_options_fail_early_with_a_clear_message(capsys):
     assert "--model '/nonexistent/model' is not a directory" in capsys.readouterr().err
     assert main(["bench", "engine", "--quick", "--backend", "native,sglang"]) == 2
     assert "--backend 'native,sglang'" in capsys.readouterr().err
+    assert main(["bench", "engine", "--spec", "--backend", "vllm"]) == 2
+    assert "--backend and --model do not apply to `laminar bench engine --spec`" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # before any model is built or trained
+        assert main(["bench", "engine", "--spec", "--quick", "--device", "cuda"]) == 2
+        assert "--device=cuda but this machine has no CUDA device" in capsys.readouterr().err
 
 
 def test_partial_rollout_trains_with_decoupled_ppo_unless_told_otherwise(tmp_path):

@@ -32,13 +32,14 @@ def test_dry_run_checks_the_plan_and_writes_one_json(dry_run):
     r, result = dry_run
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert result is not None and result["dry_run"] and result["device"] == "cpu"
-    assert set(result["plan"]) == {"model", "engine", "relay", "job"}
+    assert set(result["plan"]) == {"model", "engine", "relay", "job", "spec"}
     assert "bench engine --backend native,vllm" in result["plan"]["engine"]
+    assert "bench engine --spec --device cpu" in result["plan"]["spec"]  # cuda on the GPU
     job = result["plan"]["job"]
     for key in ("rollout.engine.backend=vllm", "trainer.total_steps=20", "model.path="):
         assert key in job
     # the stages that need the GPU and vLLM are resolved, not run; the others ran here
-    assert result["stages"]["engine"]["ok"] is None and result["stages"]["job"]["ok"] is None
+    assert all(result["stages"][s]["ok"] is None for s in ("engine", "job", "spec"))
     assert result["stages"]["model"]["ok"] and result["stages"]["relay"]["ok"], result["stages"]
     relay = result["stages"]["relay"]["result"]
     assert relay["weights_equal"] and relay["device"] == "cpu" and relay["bytes"] > 0
@@ -78,11 +79,24 @@ def test_a_failing_or_hanging_stage_is_recorded(tmp_path):
     assert gpu_check.exit_code({"stages": {"a": {"ok": False}}}) == 1
 
 
+def test_stages_are_chosen_in_plan_order_and_bring_the_model_they_measure():
+    assert gpu_check.parse_stages(None) == gpu_check.STAGES
+    assert gpu_check.parse_stages("spec") == ("spec",)  # the tiny preset: no model stage
+    assert gpu_check.parse_stages("job, spec") == ("model", "job", "spec")
+    with pytest.raises(SystemExit, match="unknown stage.*'engin'.*choose from model,engine"):
+        gpu_check.parse_stages("engin")
+    cmd = gpu_check.spec_command(Path("/w/s.json"), "cuda")
+    assert cmd[-7:] == ["bench", "engine", "--spec", "--device", "cuda", "--out", "/w/s.json"]
+    assert gpu_check.spec_command(Path("/w/s.json"), "cpu")[-1] == "--quick"
+
+
 def test_summary_reads_the_benchmark_keys():
     stages = {"engine": {"ok": True, "result": {"backends": {"native": {"tokens_per_s": 100.0},
                                                              "vllm": {"tokens_per_s": 450.0}}}},
               "job": {"ok": True, "result": {"throughput_tokens_per_s": 900.0,
                                              "exactly_once": {"ok": True}}}}
+    stages["spec"] = {"ok": True, "result": {"speculation_gain": 1.7, "acceptance_rate": 0.5}}
     s = gpu_check.summarize(stages)
     assert s["vllm_over_native"] == 4.5 and s["job_exactly_once"] is True
+    assert s["speculation_gain"] == 1.7 and s["speculation_tail_speedup"] is None
     assert s["job_throughput_tokens_per_s"] == 900.0

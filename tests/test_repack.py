@@ -5,10 +5,12 @@ random fleets; the post-update trigger; the decode curve's knee (the batch bound
 from __future__ import annotations
 
 import random
+import time
+from pathlib import Path
 
 import pytest
 
-from laminar.engine.knee import knee
+from laminar.engine.knee import cache_path, cpu_name, knee, step_clock
 from laminar.manager.repack import (KvSample, RolloutLoad, idle_loads, is_candidate, is_post_update,
                                     kv_phase, plan_repack)
 from laminar.types import RolloutCounters, RolloutSnapshot
@@ -203,3 +205,12 @@ def test_the_knee_is_where_a_step_costs_twice_a_batch_1_step():
     assert knee({"1": 1.0, "2": 3.0}) == 1  # JSON keys; a curve that doubles at once
     with pytest.raises(ValueError, match="batch 1"):
         knee({8: 1.0, 16: 2.0})
+
+
+def test_a_gpus_curve_is_cached_apart_from_the_cpus_and_timed_by_the_wall_clock():
+    cpu = cache_path("tiny", None, 1, Path("c"))
+    assert cpu.name.startswith("engine-knee-tiny-") and cpu_name() and "gpu-" not in cpu.name
+    gpu = cache_path("tiny", None, 1, Path("c"), "cuda:0", name="NVIDIA H100 80GB HBM3")
+    assert gpu.name == "engine-knee-tiny-gpu-nvidia-h100-80gb-hbm3-1t.json"
+    assert step_clock("cpu") is time.process_time  # CPU time: other jobs slow it little
+    assert step_clock("cuda:0") is not time.process_time  # (a synchronized wall clock)

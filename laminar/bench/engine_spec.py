@@ -1,7 +1,7 @@
 """`laminar bench engine --spec`: the native engine's shared group prefixes and speculative
 decoding, each against the same engine without it, in one run.
 
-    laminar bench engine --spec [--quick] [--out FILE]
+    laminar bench engine --spec [--quick] [--device cpu|cuda] [--out FILE]
 
 Speculation (`rollout.engine.speculation`): the model is `laminar bench modes`' warm start (the
 tiny preset after its SFT, cached under `sft.cache_dir`; trained here once if missing), on the
@@ -46,6 +46,11 @@ same work on a random-init tiny model):
   responses (prompts >= 4x responses), groups of 8.
 
 One torch thread, as `laminar bench engine`. The machine is shared: ratios, not times.
+`--device cuda` runs every variant on the GPU (the warm start is trained, or read from the
+cache, on the CPU first): there a step's cost stays flat much longer, the regime speculation
+is for, so the cost rule drafts by the GPU's own curve, measured in wall time (knee.py,
+`step_clock`); `verify_cost_ms` / `plain_cost_ms` are then wall ms with the device
+synchronized, and the `_cpu` ratios are the host process's CPU time.
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ import torch
 
 from laminar.config import load_config
 from laminar.engine import Engine
-from laminar.engine.knee import cached_knee
+from laminar.devices import resolve_device
+from laminar.engine.knee import cached_knee, device_name, step_clock
 from laminar.engine.speculation import StepCost, plan_drafts
 from laminar.models import BOS_ID, EOS_ID, PAD_ID, build_preset, load_pretrained
 from laminar.models.tokenizer import build_char_tokenizer, encode_prompt
@@ -75,14 +81,14 @@ GROUP_SIZE = 8
 SPECULATION = 4  # the drafted tokens per sequence and step measured
 
 
-def warm_start():
-    """The modes benchmark's warm-started model and config (cached SFT)."""
+def warm_start(device: str = "cpu"):
+    """The modes benchmark's warm-started model (cached SFT) on `device`, and its config."""
     from laminar.bench.modes import WORKLOAD  # the one place its settings live
     from laminar.trainer.sft import run_sft
 
     cfg = load_config(None, WORKLOAD)
     model, _ = load_pretrained(run_sft(cfg))
-    return model.eval(), cfg
+    return model.eval().to(device), cfg
 
 
 def reverse_prompts(cfg, num_groups: int) -> list[list[int]]:
@@ -141,14 +147,15 @@ def run_epochs(model, prompts: list[list[int]], params: SamplingParams, engine_k
     return out
 
 
-def bench_speculation(num_groups: int, repeats: int) -> dict:
-    model, cfg = warm_start()
+def bench_speculation(num_groups: int, repeats: int, device: str = "cpu") -> dict:
+    model, cfg = warm_start(device)
     prompts = reverse_prompts(cfg, num_groups)
     r = cfg.rollout
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                             max_new_tokens=r.max_new_tokens)
     kw = dict(max_batch_size=r.engine.max_batch_size, kv_capacity_tokens=r.engine.kv_capacity_tokens)
-    curve = {int(b): ms for b, ms in cached_knee("tiny", None, THREADS)["curve_ms"].items()}
+    knee = cached_knee("tiny", None, THREADS, device="cpu" if device == "cpu" else device)
+    curve = {int(b): ms for b, ms in knee["curve_ms"].items()}
     spec_kw = {**kw, "speculation": SPECULATION, "step_cost_ms": curve}
     run_epochs(model, prompts[:2], params, kw, 1)  # warm
     plain_runs, spec_runs, fixed_runs = [], [], []
@@ -225,7 +232,8 @@ def acceptance_bound(model, prompts: list[list[int]], run: dict) -> tuple[float,
     for outputs, tail_from in zip(run["outputs"], run["tail_from"]):
         for i, (out, late) in enumerate(zip(outputs, tail_from)):
             prompt = prompts[i // GROUP_SIZE]
-            logits = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+            ids = torch.tensor([prompt + out], device=model.device)
+            logits = model(ids).logits[0, len(prompt) - 1:-1]
             best = logits.float().softmax(-1).max(-1).values.tolist()
             values += best
             if late is not None:
@@ -252,10 +260,11 @@ def gain_ceiling(step_rows: list[int], p: float, k: int, cost: StepCost) -> floa
 
 def verify_cost(model, batches=(1, 8, 32, 64), drafts=(0, 2, 4), steps: int = 12,
                 rounds: int = 3) -> dict:
-    """CPU ms of one verify forward with `batch` rows of 1 + draft tokens each, and of one
-    plain decode forward of as many rows: the median of `steps` calls, the lowest of `rounds`
-    rounds (the two alternate)."""
+    """ms of one verify forward with `batch` rows of 1 + draft tokens each, and of one plain
+    decode forward of as many rows (CPU time; on a GPU wall time, synchronized): the median of
+    `steps` calls, the lowest of `rounds` rounds (the two alternate)."""
     runners, verify, plain = {}, {}, {}
+    clock = step_clock(model.device)
     for batch in batches:
         for k in drafts:
             for rows in (batch, batch * (k + 1)):
@@ -276,20 +285,20 @@ def verify_cost(model, batches=(1, 8, 32, 64), drafts=(0, 2, 4), steps: int = 12
                 key = f"b{batch}_k{k}"
                 feeds = [[11] * (k + 1) for _ in range(batch)]
                 verify[key] = min(verify.get(key, 1e9),
-                                  _median_ms(lambda: runner.verify(feeds, starts), steps))
+                                  _median_ms(lambda: runner.verify(feeds, starts), steps, clock))
                 wide, wide_starts = runners[batch * (k + 1)]
                 tokens = [11] * (batch * (k + 1))
                 plain[key] = min(plain.get(key, 1e9),
-                                 _median_ms(lambda: wide.run(tokens, wide_starts, []), steps))
+                                 _median_ms(lambda: wide.run(tokens, wide_starts, []), steps, clock))
     return dict(verify_cost_ms=verify, plain_cost_ms=plain)
 
 
-def _median_ms(fn, steps: int) -> float:
+def _median_ms(fn, steps: int, clock=time.process_time) -> float:
     times = []
     for _ in range(steps):
-        t0 = time.process_time()
+        t0 = clock()
         fn()
-        times.append(time.process_time() - t0)
+        times.append(clock() - t0)
     return 1000 * statistics.median(times)
 
 
@@ -311,8 +320,8 @@ def run_groups(model, groups: list[tuple[list[int], int]], share: bool, max_batc
                 tokens=sum(len(r.output_ids) for r in reqs))
 
 
-def bench_prefix(num_groups: int, repeats: int) -> dict:
-    model = build_preset("tiny", seed=0).eval()
+def bench_prefix(num_groups: int, repeats: int, device: str = "cpu") -> dict:
+    model = build_preset("tiny", seed=0).eval().to(device)
     cfg = load_config(None, [])
     reverse = [(p, 16) for p in reverse_prompts(cfg, num_groups)]
     shared = run_groups(model, reverse, True, 64)
@@ -337,21 +346,23 @@ def median_ratio(runs: dict, key: str) -> float:
             / statistics.median(r[key] for r in runs[True]))
 
 
-def main(quick: bool = False, out: str | None = None) -> dict:
+def main(quick: bool = False, out: str | None = None, device: str = "cpu") -> dict:
+    device = str(resolve_device(device, "--device"))  # a missing GPU: one clear error, first
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     load_before = os.getloadavg()[0]
     sizes = dict(num_groups=16, repeats=1) if quick else dict(num_groups=64, repeats=5)
     try:
-        result = {**bench_speculation(**sizes), **bench_prefix(**sizes)}
+        result = {**bench_speculation(**sizes, device=device), **bench_prefix(**sizes, device=device)}
     finally:
         torch.set_num_threads(threads)
     load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-    result.update(threads=THREADS, load_average_before_after=load,
+    result.update(threads=THREADS, load_average_before_after=load, device=device,
+                  device_name=device_name("cpu" if device == "cpu" else device),
                   targets={"speculation_gain": 1.5, "speculation_tail_speedup": 1.5,
                            "prefix_prefill_ratio_max": 1 / 6, "prefix_long_prompt_gain": 1.3},
                   provenance=provenance({"quick": quick, **sizes, "threads": THREADS,
-                                         "speculation": SPECULATION}))
+                                         "speculation": SPECULATION, "device": device}))
     print_report(result)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -360,7 +371,8 @@ def main(quick: bool = False, out: str | None = None) -> dict:
 
 
 def print_report(r: dict) -> None:
-    print(f"speculation (k={r['speculation']}), {r['num_groups']} groups x {r['group_size']}, "
+    print(f"on {r['device']} ({r['device_name']}): "
+          f"speculation (k={r['speculation']}), {r['num_groups']} groups x {r['group_size']}, "
           f"2 epochs, {r['generated_tokens']} tokens: gain {r['speculation_gain']:.2f}x "
           f"(by epoch {', '.join(f'{g:.2f}x' for g in r['speculation_gain_by_epoch'])}), tail "
           f"speedup {r['speculation_tail_speedup']:.2f}x (CPU time: gain "

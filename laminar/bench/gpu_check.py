@@ -15,8 +15,14 @@ error, the tail of its output) and the others still run and the JSON is still wr
           through a pinned staging buffer, and plain `copy_` as the control): seconds per GB.
   job     a 20-step laminar job on vLLM (`rollout.engine.backend=vllm`) on that model: its
           throughput and the exactly-once check of its run report.
-`--dry-run` checks the plan here: it resolves every command and config, builds the model
-config, runs the relay stage on the CPU with the scaled-down model and prints the plan.
+  spec    `laminar bench engine --spec --device cuda`: the native engine's speculative decoding
+          and shared group prefixes on the GPU (issue 36's targets: speculation_gain and
+          speculation_tail_speedup >= 1.5x, which a CPU cannot reach; docs/engine.md). Needs no
+          model stage (the tiny preset's warm start, trained on the CPU if not cached).
+`--stages` runs a subset (e.g. `--stages spec` on a short device lease; engine, relay and job
+need model). `--dry-run` checks the plan here: it resolves every command and config, builds
+the model config, runs the relay stage on the CPU with the scaled-down model and prints the
+plan.
 """
 
 from __future__ import annotations
@@ -57,7 +63,12 @@ SHAPES = {
     "cpu": dict(hidden_size=224, num_hidden_layers=4, num_attention_heads=14,
                 num_key_value_heads=2, intermediate_size=1216),  # the same heads, scaled down
 }
-TIMEOUTS_S = {"model": 90, "engine": 150, "relay": 60, "job": 240}  # 540 s in all; ~8 min of runs
+# 540 s in all for the first four (~8 min of runs); spec ~3 min (its warm start's SFT, ~1 min
+# on one CPU thread, when .cache/sft does not hold it)
+TIMEOUTS_S = {"model": 90, "engine": 150, "relay": 60, "job": 240, "spec": 300}
+STAGES = tuple(TIMEOUTS_S)
+BENCH_FILES = {"engine": "bench-engine.json", "spec": "bench-engine-spec.json"}  # in --work
+NEEDS_MODEL = ("engine", "relay", "job")
 JOB_STEPS = 20
 
 
@@ -186,6 +197,27 @@ def engine_command(model_dir: Path, out: Path, device: str = "cuda") -> tuple[li
     return cmd, problems
 
 
+def spec_command(out: Path, device: str = "cuda") -> list[str]:
+    """`laminar bench engine --spec` on `device` (on the CPU the quick size: the full one is
+    docs/results/bench-engine-spec.json's)."""
+    return [*laminar_cmd(), "bench", "engine", "--spec", "--device", device, "--out", str(out),
+            *(["--quick"] if device == "cpu" else [])]
+
+
+def parse_stages(text: str | None) -> tuple[str, ...]:
+    """`--stages a,b` -> the stages in plan order; every stage when not given."""
+    if not text:
+        return STAGES
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in STAGES]
+    if unknown or not names:
+        raise SystemExit(f"gpu-check: --stages={text!r}: unknown stage(s) {unknown}; choose from "
+                         f"{','.join(STAGES)}")
+    if set(names) & set(NEEDS_MODEL) and "model" not in names:
+        names.append("model")  # engine, relay and job measure the model stage's model
+    return tuple(s for s in STAGES if s in names)
+
+
 def _bench_help() -> str:
     """The options `laminar bench` takes (its parser, in this process)."""
 
@@ -266,12 +298,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=None, help=f"the JSON (default: {OUT.relative_to(ROOT)}; "
                     "with --dry-run or --device cpu: printed only, unless given)")
     ap.add_argument("--work", default=None, help="folder for the model, logs and the run")
+    ap.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} "
+                    "(default: all; engine, relay and job bring model along)")
     ap.add_argument("--stage", choices=("model", "relay"), help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--stage-out", help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     device = "cpu" if a.dry_run else a.device
+    stages = parse_stages(a.stages)
     if a.stage:  # one stage in this (child) process: write its result as JSON
         if a.stage == "model":
             result = build_model(device, Path(a.model_dir))
@@ -304,33 +339,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "--model-dir", str(model_dir), "--stage-out", str(work / f"{stage}.json"),
                 *(["--reps", str(reps)] if reps else [])]
 
-    engine_cmd, engine_problems = engine_command(model_dir, work / "bench-engine.json", device)
+    engine_cmd, engine_problems = engine_command(model_dir, work / BENCH_FILES["engine"], device)
     job_cmd, job_problems = job_command(model_dir, run_dir, device)
     if device == "cpu":  # also the config the GPU run will use (it loads on any machine)
         job_problems += [f"(cuda) {p}" for p in job_command(model_dir, run_dir, "cuda")[1]]
     plan = {"model": child("model"), "engine": engine_cmd, "relay": child("relay", 2 if a.dry_run else 3),
-            "job": job_cmd}
+            "job": job_cmd, "spec": spec_command(work / BENCH_FILES["spec"], device)}
+    plan = {k: v for k, v in plan.items() if k in stages}
     result["plan"] = {k: shlex.join(v) for k, v in plan.items()}
     result["plan_problems"] = engine_problems + job_problems
+    no_model = False
     for name, cmd in plan.items():
-        if a.dry_run and name in ("engine", "job"):
+        if a.dry_run and name in ("engine", "job", "spec"):
             result["stages"][name] = {"ok": None, "skipped": "dry run: command resolved, not run"}
+            continue
+        if no_model and name in NEEDS_MODEL:
+            result["stages"][name] = {"ok": False, "error": "no model (the model stage failed)"}
             continue
         stage = run_stage(name, cmd, TIMEOUTS_S[name], work)
         if stage["ok"] and name in ("model", "relay"):
             stage["result"] = json.loads((work / f"{name}.json").read_text())
-        elif stage["ok"] and name == "engine":
-            stage["result"] = json.loads((work / "bench-engine.json").read_text())
+        elif stage["ok"] and name in BENCH_FILES:
+            stage["result"] = json.loads((work / BENCH_FILES[name]).read_text())
         elif name == "job" and (run_dir / "report.json").is_file():
             stage["result"] = job_result(run_dir)
             once = (stage["result"].get("exactly_once") or {}).get("ok")
             if stage["ok"] and once is not True:
                 stage |= {"ok": False, "error": f"exactly-once check: {once}"}
         result["stages"][name] = stage
-        if name == "model" and not stage["ok"]:
-            for rest in ("engine", "relay", "job"):
-                result["stages"][rest] = {"ok": False, "error": "no model (the model stage failed)"}
-            break
+        no_model = no_model or (name == "model" and not stage["ok"])  # spec still runs
     result["summary"] = summarize(result["stages"])
     result["total_s"] = round(time.perf_counter() - started, 1)
     result["provenance"] = provenance({"device": device, "dry_run": a.dry_run, "job_steps": JOB_STEPS,
@@ -352,12 +389,18 @@ def summarize(stages: dict[str, Any]) -> dict[str, Any]:
     ratio = (tps["vllm"] / tps["native"]) if tps.get("vllm") and tps.get("native") else None
     relay = (stages.get("relay") or {}).get("result") or {}
     job = (stages.get("job") or {}).get("result") or {}
+    spec = (stages.get("spec") or {}).get("result") or {}
     return {"tokens_per_s": tps or None, "vllm_over_native": ratio,
+            **{k: spec.get(k) for k in SPEC_KEYS},
             "push_s_per_gb": relay.get("push_s_per_gb"), "pull_s_per_gb": relay.get("pull_s_per_gb"),
             "pull_plain_s_per_gb": relay.get("pull_plain_s_per_gb"),
             "job_throughput_tokens_per_s": job.get("throughput_tokens_per_s"),
             "job_exactly_once": (job.get("exactly_once") or {}).get("ok"),
             "stages_ok": {k: v.get("ok") for k, v in stages.items()}}
+
+
+SPEC_KEYS = ("speculation_gain", "speculation_tail_speedup", "acceptance_rate",
+             "prefix_prefill_ratio", "prefix_long_prompt_gain")
 
 
 def print_plan(result: dict[str, Any], out: Path | None) -> None:
@@ -376,6 +419,7 @@ def print_plan(result: dict[str, Any], out: Path | None) -> None:
     print(f"  relay: push {_f(s['push_s_per_gb'])} s/GB, pull {_f(s['pull_s_per_gb'])} s/GB staged "
           f"({_f(s['pull_plain_s_per_gb'])} s/GB plain copy_); vLLM/native {_f(s['vllm_over_native'])}; "
           f"job {_f(s['job_throughput_tokens_per_s'])} tok/s, exactly-once {s['job_exactly_once']}")
+    print("  spec: " + ", ".join(f"{k} {_f(s[k])}" for k in SPEC_KEYS))
     print(f"  total {result['total_s']} s" + (f"; wrote {out}" if out else ""))
 
 

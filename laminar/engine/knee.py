@@ -16,14 +16,17 @@ doubles them), and the throughput b / (a + c·b) is half its ceiling 1 / c. So:
         the largest batch measured when no step reaches it (a flat curve: never compute-bound).
 
 `laminar/sim/costs.py:roofline_batch` uses the same factor on its fitted line, so the
-simulator and the runtime read B alike. Steps are timed in CPU time of this process (with one
-thread, the latency an idle core would give), so other jobs on a shared machine slow the
-measurement little: at each batch the median of 16 steps, the lowest of 3 rounds.
+simulator and the runtime read B alike. On the CPU, steps are timed in CPU time of this
+process (with one thread, the latency an idle core would give), so other jobs on a shared
+machine slow the measurement little; on a GPU in wall time, the device synchronized around
+each step (its host-side launches and the kernels both count): at each batch the median of 16
+steps, the lowest of 3 rounds.
 
 `cached_knee` keys the cache by the model (preset, or a hash of the model directory's
-config.json), this CPU and the torch thread count; a missing entry is measured (a few seconds
-for the presets) in a child process, so a caller that never imports torch (the rollout manager)
-stays so. `python -m laminar.engine.knee --preset tiny --threads 1` prints one.
+config.json), the device (this CPU, or the GPU's name) and the torch thread count; a missing
+entry is measured (a few seconds for the presets) in a child process, so a caller that never
+imports torch (the rollout manager) stays so. `python -m laminar.engine.knee --preset tiny
+--threads 1 [--device cuda]` prints one.
 """
 
 from __future__ import annotations
@@ -67,11 +70,14 @@ def knee(curve: dict[int, float], factor: float = KNEE_FACTOR) -> int:
 
 def decode_curve(model: Any, batches: tuple[int, ...] = BATCHES, steps: int = STEPS,
                  rounds: int = ROUNDS) -> dict[int, float]:
-    """CPU ms of one decode step of the native engine at each batch size, every row decoding:
-    the median of `steps` steps, in `rounds` rounds over all batch sizes, the lowest round
-    kept (a round that another process's burst slowed is dropped). Contexts start at 12
-    prompt tokens and grow by one per step."""
+    """ms of one decode step of the native engine at each batch size, every row decoding (CPU
+    time on the CPU, wall time on a GPU: `step_clock`): the median of `steps` steps, in
+    `rounds` rounds over all batch sizes, the lowest round kept (a round that another
+    process's burst slowed is dropped). Contexts start at 12 prompt tokens and grow by one per
+    step."""
     from laminar.engine.engine import Engine  # torch: only the measuring child process loads it
+
+    clock = step_clock(next(model.parameters()).device)
 
     no_eos = model.config.vocab_size  # never sampled: every row decodes through the timing
     budget = rounds * steps + 8
@@ -91,11 +97,34 @@ def decode_curve(model: Any, batches: tuple[int, ...] = BATCHES, steps: int = ST
         for batch, engine in engines.items():
             times = []
             for _ in range(steps):
-                t0 = time.process_time()
+                t0 = clock()
                 engine.step()
-                times.append(time.process_time() - t0)
+                times.append(clock() - t0)
             best[batch] = min(best[batch], 1000 * statistics.median(times))
     return best
+
+
+def step_clock(device: Any) -> Any:
+    """The clock a step is timed by on `device`: this process's CPU time on the CPU; on a GPU
+    the wall clock after synchronizing the device (a step's kernels run after its launches)."""
+    if getattr(device, "type", str(device)) == "cpu":
+        return time.process_time
+    import torch
+
+    def wall() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return wall
+
+
+def device_name(device: str = "cpu") -> str:
+    """What a measured curve belongs to: this CPU's model name, or the GPU's (`cuda`)."""
+    if device == "cpu":
+        return cpu_name()
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device))
 
 
 def model_key(preset: str, path: str | None) -> str:
@@ -113,19 +142,23 @@ def cpu_name() -> str:
     return cpu_model()
 
 
-def cache_path(preset: str, path: str | None, threads: int, cache_dir: Path = CACHE_DIR) -> Path:
-    return cache_dir / f"engine-knee-{model_key(preset, path)}-{_slug(cpu_name())}-{threads}t.json"
+def cache_path(preset: str, path: str | None, threads: int, cache_dir: Path = CACHE_DIR,
+               device: str = "cpu", name: str | None = None) -> Path:
+    """The cache file of a curve; `name`: the device's (`device_name`), read when not given."""
+    where = _slug(name or device_name(device))
+    gpu = "" if device == "cpu" else "gpu-"  # a GPU's curve never reads as a CPU's
+    return cache_dir / f"engine-knee-{model_key(preset, path)}-{gpu}{where}-{threads}t.json"
 
 
-def cached_knee(preset: str, path: str | None, threads: int, cache_dir: Path = CACHE_DIR
-                ) -> dict[str, Any]:
+def cached_knee(preset: str, path: str | None, threads: int, cache_dir: Path = CACHE_DIR,
+                device: str = "cpu") -> dict[str, Any]:
     """{"knee", "curve_ms", ...}: read from the cache, or measured now in a child process and
-    written there."""
-    file = cache_path(preset, path, threads, cache_dir)
+    written there. `device`: `cpu`, or `cuda` for the curve of a GPU of this machine."""
+    file = cache_path(preset, path, threads, cache_dir, device)
     if file.is_file():
         return json.loads(file.read_text())
     cmd = [sys.executable, "-m", "laminar.engine.knee", "--preset", preset, "--threads",
-           str(threads), "--out", str(file)] + (["--path", path] if path else [])
+           str(threads), "--out", str(file), "--device", device] + (["--path", path] if path else [])
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"measuring the decode curve's knee for manager.batch_bound failed "
@@ -134,18 +167,20 @@ def cached_knee(preset: str, path: str | None, threads: int, cache_dir: Path = C
     return json.loads(file.read_text())
 
 
-def measure(preset: str, path: str | None, threads: int) -> dict[str, Any]:
+def measure(preset: str, path: str | None, threads: int, device: str = "cpu") -> dict[str, Any]:
     import torch
 
     from laminar.models import build_preset, load_pretrained  # torch, transformers
 
     torch.set_num_threads(threads)
-    model = (load_pretrained(path)[0] if path else build_preset(preset)).eval()
+    model = (load_pretrained(path)[0] if path else build_preset(preset)).eval().to(device)
     t0 = time.perf_counter()
     curve = decode_curve(model)
     return {"knee": knee(curve), "knee_factor": KNEE_FACTOR,
             "curve_ms": {str(b): round(ms, 4) for b, ms in curve.items()},
             "model": model_key(preset, path), "cpu": cpu_name(), "threads": threads,
+            "device": device, "device_name": device_name(device),
+            "clock": "cpu time" if device == "cpu" else "wall, device synchronized",
             "torch": torch.__version__, "measured_s": round(time.perf_counter() - t0, 2),
             "load_average_1m": round(os.getloadavg()[0], 2),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -163,8 +198,9 @@ def main() -> None:
     ap.add_argument("--path", default=None, help="a Hugging Face model directory instead")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="write the JSON here (atomically)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the curve of this machine's GPU")
     args = ap.parse_args()
-    result = measure(args.preset, args.path, args.threads)
+    result = measure(args.preset, args.path, args.threads, args.device)
     text = json.dumps(result, indent=1)
     if args.out:
         out = Path(args.out)

@@ -90,11 +90,11 @@ def engine_factory(cfg: Config, model_dir: str, tokenizer: Any, version: int, se
 
 def step_cost(cfg: Config, device: torch.device) -> dict[int, float] | None:
     """The native engine's measured decode curve {tokens: ms}, which speculation's cost rule
-    drafts by (laminar/engine/speculation.py): the CPU's cached curve (measured once per model
-    and thread count, .cache/engine-knee-*.json). None without speculation, and on a GPU, whose
-    curve is not measured (the rule's default shape then)."""
-    if not cfg.rollout.engine.speculation or cfg.rollout.engine.backend != "native" \
-            or device.type != "cpu":
+    drafts by (laminar/engine/speculation.py): the device's cached curve (measured once per
+    model, device and thread count, .cache/engine-knee-*.json; on a GPU in wall time, where a
+    step's cost stays flat far longer than on a CPU). None without speculation."""
+    if not cfg.rollout.engine.speculation or cfg.rollout.engine.backend != "native":
         return None
-    knee = cached_knee(cfg.model.preset, cfg.model.path, cfg.rollout.threads)
+    knee = cached_knee(cfg.model.preset, cfg.model.path, cfg.rollout.threads,
+                       device="cpu" if device.type == "cpu" else str(device))
     return {int(tokens): ms for tokens, ms in knee["curve_ms"].items()}
