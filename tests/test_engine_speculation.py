@@ -114,6 +114,19 @@ def test_build_engine_hands_the_measured_curve_to_the_engine(model):
     assert engine.step_cost(64) == pytest.approx(2.1) and engine.drafter.max_draft == 2
 
 
+def test_a_flat_curve_lets_a_full_batch_draft_and_a_cpus_keeps_64_tokens(model):
+    cpu = {1: 0.48, 8: 0.64, 16: 0.77, 32: 1.13, 64: 1.80, 128: 3.49, 256: 6.46}  # knee 24
+    gpu = {1: 3.0, 8: 3.0, 64: 3.1, 128: 3.2, 256: 3.6}  # never twice a 1-row step: knee 256
+    assert Engine(model, NO_EOS, PAD_ID, speculation=4, step_cost_ms=cpu).speculation_tokens == 64
+    flat = Engine(model, NO_EOS, PAD_ID, speculation=4, step_cost_ms=gpu)
+    assert flat.speculation_tokens == 512
+    # on that curve 64 rows with 4 drafts each at p = 0.6 cost little more than 64 rows alone
+    assert plan_drafts(64, [(4, 0.6)] * 64, flat.step_cost) == [4] * 64
+    assert Engine(model, NO_EOS, PAD_ID, speculation=4).speculation_tokens == 64  # no curve
+    assert Engine(model, NO_EOS, PAD_ID, speculation=4, step_cost_ms=gpu,
+                  speculation_tokens=100).speculation_tokens == 100
+
+
 def test_plan_drafts_pays_in_the_tail_not_in_a_full_batch():
     cost = StepCost()  # a + c*t with a / c = 32
     # one row in the tail: its tokens are nearly free, four drafts at p = 0.6 pay

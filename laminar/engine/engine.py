@@ -47,6 +47,7 @@ import torch
 
 from laminar.devices import StagingBuffer, stage_copy
 from laminar.engine import speculation as speculative
+from laminar.engine.knee import knee
 from laminar.engine.model_runner import ModelRunner
 from laminar.engine.protocol import check_request
 from laminar.engine.sampler import SamplingRows, sample
@@ -63,7 +64,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
                  max_batch_size: int = 64, kv_capacity_tokens: int = 16384, version: int = 0,
                  seed: int = 0, share_prefixes: bool = True, speculation: int = 0,
-                 speculation_tokens: int = 64,
+                 speculation_tokens: int | None = None,
                  step_cost_ms: Mapping[int, float] | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
@@ -88,8 +89,11 @@ class Engine:
         self.num_prefix_hits = 0  # ... that shared another sequence's prompt KV
         # speculative decoding: up to `speculation` drafted tokens per row and step (0: off)
         self.drafter = speculative.Drafter(speculation) if speculation else None
-        # a verifying step feeds at most this many tokens (rows + drafts)
-        self.speculation_tokens = speculation_tokens
+        # a verifying step feeds at most this many tokens (rows + drafts): by default twice the
+        # curve's knee, at least 64 (a CPU's: 64, where drafts in a full batch do not pay; a
+        # GPU whose steps stay flat to 256 rows: 512, so full batches may draft too)
+        self.speculation_tokens = speculation_tokens or max(
+            64, 2 * knee(step_cost_ms) if step_cost_ms else 0)
         # what a step costs for the tokens it feeds (knee.py's measured decode curve, or an
         # affine default): which drafts to verify is decided on it (speculation.plan_drafts)
         self.step_cost = speculative.StepCost(step_cost_ms)
