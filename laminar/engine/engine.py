@@ -47,7 +47,6 @@ import torch
 
 from laminar.devices import StagingBuffer, stage_copy
 from laminar.engine import speculation as speculative
-from laminar.engine.knee import knee
 from laminar.engine.model_runner import ModelRunner
 from laminar.engine.protocol import check_request
 from laminar.engine.sampler import SamplingRows, sample
@@ -89,14 +88,14 @@ class Engine:
         self.num_prefix_hits = 0  # ... that shared another sequence's prompt KV
         # speculative decoding: up to `speculation` drafted tokens per row and step (0: off)
         self.drafter = speculative.Drafter(speculation) if speculation else None
-        # a verifying step feeds at most this many tokens (rows + drafts): by default twice the
-        # curve's knee, at least 64 (a CPU's: 64, where drafts in a full batch do not pay; a
-        # GPU whose steps stay flat to 256 rows: 512, so full batches may draft too)
-        self.speculation_tokens = speculation_tokens or max(
-            64, 2 * knee(step_cost_ms) if step_cost_ms else 0)
         # what a step costs for the tokens it feeds (knee.py's measured decode curve, or an
         # affine default): which drafts to verify is decided on it (speculation.plan_drafts)
         self.step_cost = speculative.StepCost(step_cost_ms)
+        # a verifying step feeds at most this many tokens (rows + drafts): by default twice the
+        # measured curve's knee, at least 64 (this CPU's: 64, where drafts in a full batch do not
+        # pay; a GPU whose steps stay flat to 256 rows: 512, so full batches may draft too)
+        self.speculation_tokens = speculation_tokens or (
+            max(64, 2 * self.step_cost.knee_tokens()) if step_cost_ms else 64)
         # None: that cost rule decides; a number: the fixed rule instead, verify whatever is
         # drafted when the drafts are at least this many per row (0: always; the tests' hook)
         self.speculation_min_drafts: float | None = None

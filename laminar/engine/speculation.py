@@ -83,6 +83,12 @@ class StepCost:
             table.extend(self._interpolate(t) for t in range(len(table), 2 * tokens + 64))
         return table[tokens]
 
+    def knee_tokens(self) -> int:
+        """The fewest tokens whose step costs twice a 1-token step, at most the curve's last
+        point (a curve that never doubles is flat as far as it was measured)."""
+        last, double = self.points[-1][0], 2.0 * self(1)
+        return next((t for t in range(1, last + 1) if self(t) >= double), last)
+
     def _interpolate(self, tokens: int) -> float:
         pts = self.points
         for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
