@@ -6,6 +6,7 @@ which must not import torch, reads them too).
     tool_cores()   # for a sandbox's tool programs: the job's cores while it splits, else None
     TrainerLoan(loan_path(run_dir)).lend(True)          # cluster.cpu_affinity=lend, the trainer
     Borrower(loan_path(run_dir), own, wide).poll()      # ... and each rollout, from its loop
+    claim_trainer_cores(cores) / other_trainer_cores()  # the trainer cores of the jobs here
 """
 
 from __future__ import annotations
@@ -111,3 +112,60 @@ class Borrower:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+# ----------------------------------------------------------------------------- other jobs
+
+# The trainer cores each pinned job on this machine uses, so that a second job does not put its
+# trainer on the first one's (`cluster.cpu_affinity: auto` deals the first cores to the trainer,
+# on every job alike). One file per driver process, named by its pid and holding its start time
+# too, so a driver killed without cleaning up (or a reused pid) is not taken for a live job.
+CLAIMS_ENV = "LAMINAR_TRAINER_CLAIMS"  # the folder, where a test session isolates its own
+
+
+def claims_dir() -> str:
+    return os.environ.get(CLAIMS_ENV) or os.path.join(
+        "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), "laminar-trainer-cores")
+
+
+def _started(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot, /proc/PID/stat), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def claim_trainer_cores(cores: list[int]) -> str:
+    """This process's job pins its trainer to `cores`: recorded until `release_trainer_cores`."""
+    folder = claims_dir()
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, str(os.getpid()))
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{_started(os.getpid())} {','.join(map(str, cores))}\n")
+    os.replace(tmp, path)
+    return path
+
+
+def release_trainer_cores() -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(claims_dir(), str(os.getpid())))
+
+
+def other_trainer_cores() -> dict[int, list[int]]:
+    """pid -> trainer cores of every other live job's claim on this machine."""
+    out: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(claims_dir()):
+            if not name.isdigit() or int(name) == os.getpid():
+                continue
+            try:
+                with open(os.path.join(claims_dir(), name)) as f:
+                    started, cores = f.read().split()
+            except (OSError, ValueError):
+                continue  # being written, or not ours
+            if _started(int(name)) == started:
+                out[int(name)] = [int(c) for c in cores.split(",") if c]
+    return out

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from laminar.config import ConfigError
-from laminar.cores import CPUS_ENV, Borrower, TrainerLoan, job_cores, loan_path
+from laminar.cores import (CPUS_ENV, Borrower, TrainerLoan, claim_trainer_cores, job_cores, loan_path,
+                           other_trainer_cores, release_trainer_cores)
 
 SETTINGS = ("auto", "cpu", "cuda")
 DEVICE_KEYS = ("trainer.device", "rollout.device")
@@ -291,15 +292,17 @@ LENT = " and on the trainer's while it waits for data"
 PINNED = ("split", "lend")  # the `cluster.cpu_affinity` choices that pin the trainer and rollouts
 
 
-def affinity_plan(cfg: Any, cores: list[int], on_cpu: bool, can_pin: bool) -> tuple[str, str]:
+def affinity_plan(cfg: Any, cores: list[int], on_cpu: bool, can_pin: bool,
+                  others: Mapping[int, list[int]] | None = None) -> tuple[str, str]:
     """`cluster.cpu_affinity`, pure: `split`, `lend` or `off` for this job, and why. `auto` lends
     (splits, and lets the rollouts use the trainer's cores while it waits for data) where
     a cluster would have given the trainer devices of its own: the schedule trains while the
     rollouts generate (every mode but sync, whose trainer and rollouts take every core in
     turn), both compute on this machine's CPU (`on_cpu`; on GPUs the devices are already
     disjoint) with the native engine (vLLM's CPU backend binds its own threads), Ray runs here
-    (not `cluster.backend=local`, not `cluster.address`), and the trainer's cores
-    (`auto_trainer_cpus`) leave at least one for the rollouts."""
+    (not `cluster.backend=local`, not `cluster.address`), the trainer's cores
+    (`auto_trainer_cpus`) leave at least one for the rollouts, and no other laminar job on
+    this machine pins its trainer to them (`others`: pid -> that job's trainer cores)."""
     c = cfg.cluster
     if c.cpu_affinity == "off":
         return "off", "cluster.cpu_affinity=off"
@@ -320,10 +323,21 @@ def affinity_plan(cfg: Any, cores: list[int], on_cpu: bool, can_pin: bool) -> tu
         f"the trainer's {share} core(s) would leave none of this process's {len(cores)} for the "
         f"rollouts" + ("" if c.trainer_cpus is not None else
                        " (trainer.threads x trainer.world_size; set trainer.threads lower)")
-        if share >= len(cores) else None)
+        if share >= len(cores) else
+        _shared_with(others, cpu_plan(cores, share, None, cfg.rollout.num_workers)))
     if why_off:
         return "off", f"cluster.cpu_affinity={c.cpu_affinity}: off, {why_off}"
     return "lend", _pinned_why(cfg, cores, "auto: lend", share)
+
+
+def _shared_with(others: Mapping[int, list[int]] | None, trainer: list[int]) -> str | None:
+    """Why `auto` stays off when another job's trainer is pinned to this one's cores."""
+    for pid, cores in sorted((others or {}).items()):
+        if set(cores) & set(trainer):
+            return (f"the trainer's core(s) {trainer} are already the trainer's of another "
+                    f"laminar job (pid {pid}, core(s) {cores}); two trainers would share them: "
+                    "give each job its own cores (taskset -c) to pin both")
+    return None
 
 
 def auto_trainer_cpus(cfg: Any) -> int:
@@ -349,7 +363,7 @@ def cpu_affinity(cfg: Any) -> tuple[str, str]:
         return affinity_plan(cfg, job_cores(), True, can_pin)
     on_cpu = all(resolve_device(getattr(getattr(cfg, k.split(".")[0]), "device"), k).type == "cpu"
                  for k in DEVICE_KEYS)
-    return affinity_plan(cfg, job_cores(), on_cpu, can_pin)
+    return affinity_plan(cfg, job_cores(), on_cpu, can_pin, other_trainer_cores())
 
 
 def settle_affinity(cfg: Any) -> tuple[Any, str]:
@@ -364,6 +378,19 @@ def settle_affinity(cfg: Any) -> tuple[Any, str]:
     if choice in PINNED:  # `auto`: the trainer's share decided here, for every process
         out.cluster.trainer_cpus = auto_trainer_cpus(cfg)
     return out, why
+
+
+def claim_cores(cfg: Any) -> bool:
+    """In the driver of a job that pins (its settled `cfg`): record its trainer's cores for the
+    other jobs of this machine (`auto` keeps off them); `release_cores` at its end."""
+    if cfg.cluster.cpu_affinity not in PINNED:
+        return False
+    claim_trainer_cores(cpu_plan(job_cores(), cfg.cluster.trainer_cpus, None, cfg.rollout.num_workers))
+    return True
+
+
+def release_cores() -> None:
+    release_trainer_cores()
 
 
 def _splits(cfg: Any) -> bool:

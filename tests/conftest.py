@@ -10,16 +10,22 @@ engine tests' prompts) is in tests/harness.py.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from waiting import _test_clock  # noqa: F401  (every test's deadline starts with it)
 
+from laminar.cores import CLAIMS_ENV
 from laminar.runtime import ray_env_defaults
 
 ray_env_defaults()  # what a job laminar starts gives its Ray processes (nice 0, no auth)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the trainer cores other laminar jobs on this machine pin (laminar.cores): this session's own
+# folder, so a job in another test session or a benchmark beside it does not turn `auto` off here
+os.environ[CLAIMS_ENV] = tempfile.mkdtemp(prefix="laminar-test-claims-")
 
 # A busy loop at normal priority: one process keeps one core busy for as long as it lives.
 HOG = "while True: pass"
@@ -42,6 +48,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(os.environ[CLAIMS_ENV], ignore_errors=True)
     for p in _hogs:
         p.kill()
     for p in _hogs:

@@ -418,10 +418,16 @@ def test_auto_affinity_splits_where_a_cluster_would_give_the_trainer_its_own_dev
             [0, 1, 2, 3], True, True),
         "cluster.cpu_affinity=off": (load_config(None, [*laminar, "cluster.cpu_affinity=off"]),
                                      [0, 1], True, True),
+        # another job here pins its trainer where this one's would go: both would share it
+        "another laminar job (pid 4242, core(s) [0])": (cfg, [0, 1], True, True, {4242: [0]}),
     }
     for reason, args in offs.items():
         choice, why = plan(*args)
         assert choice == "off" and reason in why, (reason, why)
+    assert plan(cfg, [0, 1, 2, 3], True, True, {4242: [3]})[0] == "lend"  # not its trainer's core
+    assert plan(cfg, [2, 3], True, True, {4242: [0]})[0] == "lend"  # taskset: cores of its own
+    split = load_config(None, [*laminar, "cluster.cpu_affinity=split"])
+    assert plan(split, [0, 1], True, True, {4242: [0]})[0] == "split"  # asked for: as asked
     # the trainer gets as many cores as its threads (a cluster gives it the devices it uses),
     # not half of a big machine: two threads on eight cores, two ranks of one thread each
     two = load_config(None, [*laminar, "trainer.threads=2"])
@@ -636,3 +642,38 @@ def test_yield_cpu_puts_every_thread_of_a_real_process_under_sched_idle():
     assert set(seen) == {os.SCHED_IDLE} and later == os.SCHED_IDLE and raised == 3
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # this process untouched
     assert devices.yield_cpu(0, "normal") == 0
+
+
+def test_a_jobs_trainer_cores_are_seen_by_the_other_jobs_while_its_driver_lives(tmp_path, monkeypatch):
+    """The registry behind `auto`'s check: a claim is seen by other processes, not by its own;
+    a driver SIGKILLed without releasing leaves a file that no longer counts."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    from laminar import cores
+
+    monkeypatch.setenv(cores.CLAIMS_ENV, str(tmp_path))
+    other = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, time
+        from laminar.cores import claim_trainer_cores
+        claim_trainer_cores([0, 1])
+        print("claimed", flush=True)
+        time.sleep(600)""")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "claimed"
+        assert cores.other_trainer_cores() == {other.pid: [0, 1]}
+        cores.claim_trainer_cores([2])
+        assert os.getpid() not in cores.other_trainer_cores()  # our own is not another job's
+        cfg = load_config(None, ["mode=laminar", "trainer.threads=1", "cluster.cpu_affinity=auto"])
+        if len(cores.job_cores()) >= 2 and cores.job_cores()[0] in (0, 1):
+            choice, why = devices.cpu_affinity(cfg)
+            assert choice == "off" and f"pid {other.pid}" in why and "taskset" in why
+        os.kill(other.pid, signal.SIGKILL)
+        other.wait()
+        assert (tmp_path / str(other.pid)).exists() and cores.other_trainer_cores() == {}
+    finally:
+        other.kill()
+        cores.release_trainer_cores()
+    assert not (tmp_path / str(os.getpid())).exists()

@@ -32,7 +32,7 @@ from ray.util.placement_group import PlacementGroup
 from laminar.actor import ShippedDir, alive_nodes
 from laminar.config import Config, ConfigError
 from laminar.cores import loan_path
-from laminar.devices import PINNED, restore_cores, settle_affinity
+from laminar.devices import PINNED, claim_cores, release_cores, restore_cores, settle_affinity
 from laminar.manager.actor import RolloutSpec
 from laminar.pools.resume import RESUMED, ResumeSummary, deal_resumed
 from laminar.relay.actor import RelayGroup
@@ -67,6 +67,7 @@ class ClusterRuntime:
         self.staging: str | None = None  # user code staged for shipping (shipping.py)
         self.job: str | None = None  # the job's id: its actors' names and RUN_DIR/job.json
         self.resumed: ResumeSummary | None = None  # what the reconciliation of a resumed job did
+        self.claimed = False  # whether this driver recorded its trainer's cores (claim_cores)
 
     def __enter__(self) -> "ClusterRuntime":
         try:
@@ -82,10 +83,12 @@ class ClusterRuntime:
     # ------------------------------------------------------------------------- start
 
     def start(self) -> None:
+        asked = self.cfg.cluster.cpu_affinity
         self.cfg, why = settle_affinity(self.cfg)  # cluster.cpu_affinity: auto decided once, here
         cfg = self.cfg
-        if cfg.cluster.cpu_affinity in PINNED:
+        if cfg.cluster.cpu_affinity in PINNED or asked == "auto":
             print(f"cpus: {why}", flush=True)
+        self.claimed = claim_cores(cfg)  # the trainer's cores, for the other jobs here
         check_gpu_reservations(cfg)  # before anything starts
         secret = job_secret(cfg)
         if not ray.is_initialized():
@@ -353,6 +356,9 @@ class ClusterRuntime:
     # ------------------------------------------------------------------------- stop
 
     def shutdown(self) -> None:
+        if self.claimed:
+            release_cores()
+            self.claimed = False
         if self.cfg.cluster.cpu_affinity == "lend":  # the trainer's flag, if it left one
             with contextlib.suppress(OSError):
                 os.unlink(loan_path(self.cfg.resolved_run_dir))
