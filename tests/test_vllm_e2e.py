@@ -107,7 +107,9 @@ def test_vllm_rollouts_with_lora_survive_a_repack_move_and_a_sigkill(tmp_path, r
                                dict(rt.placement.worker_relay), False, False)
 
         def moved_once():  # an export may find the source between trajectories, and the
-            snaps, _ = fleet.snapshots(["rollout0", "rollout1"], 60.0)  # peer may pull a new
+            snaps, gone = fleet.snapshots(["rollout0", "rollout1"], 60.0)  # peer may pull a new
+            if gone:  # replaced before the move (a false hang, docs/testing.md): say so now
+                pytest.fail(f"{gone} died before the move; manager: {rt.manager_stats()['faults']}")
             if len(snaps) == 2 and snaps["rollout0"].num_in_flight \
                     and snaps["rollout0"].version == snaps["rollout1"].version:
                 before = len(fleet.exported)  # version meanwhile (refused: given back)
