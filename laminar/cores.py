@@ -51,8 +51,12 @@ LEND_POLL_S = 0.001
 def loan_path(run_dir: str | os.PathLike) -> str:
     """The job's flag: in /dev/shm (a tmpfs) where there is one, named by its run directory."""
     key = hashlib.sha1(os.fsencode(os.path.abspath(run_dir))).hexdigest()[:16]
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"laminar-cores-{key}")
+    return os.path.join(_shm(), f"laminar-cores-{key}")
+
+
+def _shm() -> str:
+    """Shared memory (a tmpfs) where there is one, else the temporary folder."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 class TrainerLoan:
@@ -124,8 +128,7 @@ CLAIMS_ENV = "LAMINAR_TRAINER_CLAIMS"  # the folder, where a test session isolat
 
 
 def claims_dir() -> str:
-    return os.environ.get(CLAIMS_ENV) or os.path.join(
-        "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), "laminar-trainer-cores")
+    return os.environ.get(CLAIMS_ENV) or os.path.join(_shm(), "laminar-trainer-cores")
 
 
 def _started(pid: int) -> str | None:

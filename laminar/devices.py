@@ -32,7 +32,7 @@ import torch
 
 from laminar.config import ConfigError
 from laminar.cores import (CPUS_ENV, Borrower, TrainerLoan, claim_trainer_cores, job_cores, loan_path,
-                           other_trainer_cores, release_trainer_cores)
+                           other_trainer_cores)
 
 SETTINGS = ("auto", "cpu", "cuda")
 DEVICE_KEYS = ("trainer.device", "rollout.device")
@@ -382,15 +382,11 @@ def settle_affinity(cfg: Any) -> tuple[Any, str]:
 
 def claim_cores(cfg: Any) -> bool:
     """In the driver of a job that pins (its settled `cfg`): record its trainer's cores for the
-    other jobs of this machine (`auto` keeps off them); `release_cores` at its end."""
+    other jobs of this machine (`auto` keeps off them); `cores.release_trainer_cores` at its end."""
     if cfg.cluster.cpu_affinity not in PINNED:
         return False
     claim_trainer_cores(cpu_plan(job_cores(), cfg.cluster.trainer_cpus, None, cfg.rollout.num_workers))
     return True
-
-
-def release_cores() -> None:
-    release_trainer_cores()
 
 
 def _splits(cfg: Any) -> bool:

@@ -154,7 +154,7 @@ def bench_speculation(num_groups: int, repeats: int, device: str = "cpu") -> dic
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                             max_new_tokens=r.max_new_tokens)
     kw = dict(max_batch_size=r.engine.max_batch_size, kv_capacity_tokens=r.engine.kv_capacity_tokens)
-    knee = cached_knee("tiny", None, THREADS, device="cpu" if device == "cpu" else device)
+    knee = cached_knee("tiny", None, THREADS, device=device)
     curve = {int(b): ms for b, ms in knee["curve_ms"].items()}
     spec_kw = {**kw, "speculation": SPECULATION, "step_cost_ms": curve}
     run_epochs(model, prompts[:2], params, kw, 1)  # warm
@@ -358,7 +358,7 @@ def main(quick: bool = False, out: str | None = None, device: str = "cpu") -> di
         torch.set_num_threads(threads)
     load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     result.update(threads=THREADS, load_average_before_after=load, device=device,
-                  device_name=device_name("cpu" if device == "cpu" else device),
+                  device_name=device_name(device),
                   targets={"speculation_gain": 1.5, "speculation_tail_speedup": 1.5,
                            "prefix_prefill_ratio_max": 1 / 6, "prefix_long_prompt_gain": 1.3},
                   provenance=provenance({"quick": quick, **sizes, "threads": THREADS,

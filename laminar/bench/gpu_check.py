@@ -69,6 +69,8 @@ TIMEOUTS_S = {"model": 90, "engine": 150, "relay": 60, "job": 240, "spec": 300}
 STAGES = tuple(TIMEOUTS_S)
 BENCH_FILES = {"engine": "bench-engine.json", "spec": "bench-engine-spec.json"}  # in --work
 NEEDS_MODEL = ("engine", "relay", "job")
+SPEC_KEYS = ("speculation_gain", "speculation_tail_speedup", "acceptance_rate",
+             "prefix_prefill_ratio", "prefix_long_prompt_gain")  # the spec stage's, in the summary
 JOB_STEPS = 20
 
 
@@ -397,10 +399,6 @@ def summarize(stages: dict[str, Any]) -> dict[str, Any]:
             "job_throughput_tokens_per_s": job.get("throughput_tokens_per_s"),
             "job_exactly_once": (job.get("exactly_once") or {}).get("ok"),
             "stages_ok": {k: v.get("ok") for k, v in stages.items()}}
-
-
-SPEC_KEYS = ("speculation_gain", "speculation_tail_speedup", "acceptance_rate",
-             "prefix_prefill_ratio", "prefix_long_prompt_gain")
 
 
 def print_plan(result: dict[str, Any], out: Path | None) -> None:

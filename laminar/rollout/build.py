@@ -96,5 +96,5 @@ def step_cost(cfg: Config, device: torch.device) -> dict[int, float] | None:
     if not cfg.rollout.engine.speculation or cfg.rollout.engine.backend != "native":
         return None
     knee = cached_knee(cfg.model.preset, cfg.model.path, cfg.rollout.threads,
-                       device="cpu" if device.type == "cpu" else str(device))
+                       device=str(device))
     return {int(tokens): ms for tokens, ms in knee["curve_ms"].items()}

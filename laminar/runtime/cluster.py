@@ -31,8 +31,8 @@ from ray.util.placement_group import PlacementGroup
 
 from laminar.actor import ShippedDir, alive_nodes
 from laminar.config import Config, ConfigError
-from laminar.cores import loan_path
-from laminar.devices import PINNED, claim_cores, release_cores, restore_cores, settle_affinity
+from laminar.cores import loan_path, release_trainer_cores
+from laminar.devices import PINNED, claim_cores, restore_cores, settle_affinity
 from laminar.manager.actor import RolloutSpec
 from laminar.pools.resume import RESUMED, ResumeSummary, deal_resumed
 from laminar.relay.actor import RelayGroup
@@ -357,7 +357,7 @@ class ClusterRuntime:
 
     def shutdown(self) -> None:
         if self.claimed:
-            release_cores()
+            release_trainer_cores()
             self.claimed = False
         if self.cfg.cluster.cpu_affinity == "lend":  # the trainer's flag, if it left one
             with contextlib.suppress(OSError):
